@@ -1,0 +1,16 @@
+"""minserve: a teaching-grade LLM serving engine you can step through and see.
+
+Public surface (SPEC §10): `Engine`, `EngineConfig`, `SamplingParams`, and the
+request/output types. Everything else is importable but internal: read it, step
+it, draw it — its shape may change.
+"""
+
+from .config import EngineConfig, PrefillMode
+from .engine import Engine
+from .request import FinishReason, Rejection, RequestOutput, RequestStatus
+from .sampling import SamplingParams
+from .streaming import RequestHandle, StreamEvent
+
+__all__ = ["Engine", "EngineConfig", "FinishReason", "PrefillMode", "Rejection", "RequestHandle",
+           "RequestOutput", "RequestStatus", "SamplingParams", "StreamEvent"]
+__version__ = "0.1.0"

@@ -1,0 +1,88 @@
+"""What the scheduler asks of a backend (SPEC B1).
+
+A backend owns the model's KV for every row the scheduler has admitted, and
+runs the forward passes. The scheduler never touches a tensor of KV itself; it
+only says which rows exist and which tokens go in:
+
+    rows in `prefilling`                     rows in `active` (the decode batch)
+    ─────────────────────                    ───────────────────────────────────
+    begin_prefill(req)                       decode_step_batched(reqs, tokens) -> (B, V)
+    prefill_chunk(req, start, end) -> (V,)   remove_row(req)
+    promote(req)  ─────── splice-in ───────> (row joins the batch; SPEC C3)
+
+Contract, for every implementation:
+
+* `prefill_chunk(req, start, end)` computes the KV of `prompt[start:end]`;
+  `start` is always the number of prompt tokens whose KV the row already has
+  (cached prefix + earlier chunks). It returns the logits after the last of
+  those tokens, shape (V,), float32.
+* `decode_step_batched(reqs, tokens)` appends one token per row (row i gets
+  `tokens[i]` at position `req.num_tokens - 1`) and returns logits (B, V) in the
+  order of `reqs`. Any subset of the decode batch may be given, in any order.
+* `remove_row(req)` forgets a row wherever it is (staging or decode batch).
+* `kv_length` is a backend *metric* (its KV width), never scheduler state (R3).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from ..request import Request
+
+
+class Backend(ABC):
+    name: str = "base"
+
+    @abstractmethod
+    def begin_prefill(self, req: Request) -> None:
+        """Open a staging row for `req`; load the KV of its cached prefix, if any
+        (`req.num_cached_tokens` tokens, whose blocks the block manager has given it)."""
+
+    @abstractmethod
+    def prefill_chunk(self, req: Request, start: int, end: int) -> torch.Tensor:
+        """Compute KV for prompt[start:end]; return the last position's logits, (V,)."""
+
+    @abstractmethod
+    def promote(self, req: Request) -> None:
+        """Splice the fully prefilled staging row into the decode batch."""
+
+    @abstractmethod
+    def decode_step_batched(self, reqs: list[Request], token_ids: list[int]) -> torch.Tensor:
+        """One forward for these rows, one new token each; logits (B, V) in `reqs` order."""
+
+    @abstractmethod
+    def remove_row(self, req: Request) -> None:
+        """Drop the row's KV (staging or batch). Unknown rows are ignored."""
+
+    @property
+    @abstractmethod
+    def kv_length(self) -> int:
+        """Width of the KV in tokens (padded: the batch's padded width; paged: max row length)."""
+
+    @property
+    @abstractmethod
+    def num_rows(self) -> int:
+        """Rows in the decode batch."""
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain data for stats and figures (no tensors that alias internal state)."""
+        return {"name": self.name, "kv_length": self.kv_length, "num_rows": self.num_rows}
+
+    def check_invariants(self) -> None:
+        """Assert the backend's own bookkeeping is self-consistent (R3)."""
+
+
+def model_forward_kwargs(model: torch.nn.Module) -> str:
+    """Name of the KV-cache argument of `model.forward`.
+
+    transformers 5.x renames `past_key_values` to `cache` (the old name is
+    deprecated); use whichever this installed version takes.
+    """
+    import inspect
+
+    inner = getattr(model, "model", model)
+    params = inspect.signature(inner.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"

@@ -1,0 +1,181 @@
+"""The padded backend: one Hugging Face `DynamicCache` for the whole decode batch.
+
+This is continuous batching the way you would first build it with plain
+`transformers` (Orca, Yu et al., OSDI 2022, iteration-level scheduling): every
+active request is a row of one batched KV cache. Rows have different lengths,
+so they are *left*-padded to a common width L, and an attention mask says
+which columns are real:
+
+    per layer: keys, values (B, H_kv, L, D)        mask (B, L)       next position
+    row 0 "a"  [ . . . k k k k k ]                 0 0 0 1 1 1 1 1   5
+    row 1 "b"  [ k k k k k k k k ]                 1 1 1 1 1 1 1 1   8
+    row 2 "c"  [ . . . . . . k k ]                 0 0 0 0 0 0 1 1   2
+                 └ padding: computed over, masked out, wasted
+
+Left padding keeps every row's newest token in the last column, so one decode
+step appends one column for everyone. Position ids come from the mask (a row's
+next position is its count of real tokens), never from the column index.
+
+Splice-in (SPEC C3): a freshly prefilled row (its own batch-1 cache of n
+tokens) joins by left-padding whichever side is shorter, then concatenating
+along the batch dimension. Removal selects the remaining rows and trims
+leading columns that became padding in every row.
+
+R3: the mask's own width is the truth for its shape. We assert it equals the
+cache's width after every change; we never size the mask from a backend
+metric.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..request import Request
+from .base import Backend, model_forward_kwargs
+
+
+class PaddedBackend(Backend):
+    name = "padded"
+
+    def __init__(self, model: torch.nn.Module, storage=None) -> None:
+        from transformers import DynamicCache
+
+        self._DynamicCache = DynamicCache
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.cache_arg = model_forward_kwargs(model)  # "cache" (transformers 5.x) or "past_key_values"
+        self.storage = storage  # KVBlockStorage for prefix-cache reuse (None: no reuse)
+        self.block_manager = None  # set by the scheduler when prefix caching is on
+        self.staging: dict[str, Any] = {}  # request_id -> batch-1 DynamicCache being prefilled
+        self.row_ids: list[str] = []  # decode batch order: row i is request row_ids[i]
+        self.cache = None  # batched DynamicCache, (B, H_kv, L, D) per layer
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # (B, L)
+
+    # --- prefill side --------------------------------------------------------------------
+    def begin_prefill(self, req: Request) -> None:
+        cache = self._DynamicCache(config=self.model.config)
+        if req.num_cached_tokens:
+            # Prefix-cache hit (K2): copy the cached blocks' KV into this row's cache,
+            # so prefill starts at token num_cached_tokens instead of 0.
+            table = self.block_manager.block_table(req.request_id)
+            for layer, (k, v) in enumerate(self.storage.load_tokens(table, req.num_cached_tokens)):
+                cache.update(k, v, layer)  # k, v: (1, H_kv, n_cached, D)
+        self.staging[req.request_id] = cache
+
+    @torch.inference_mode()
+    def prefill_chunk(self, req: Request, start: int, end: int) -> torch.Tensor:
+        cache = self.staging[req.request_id]
+        assert cache.get_seq_length() == start, (cache.get_seq_length(), start)
+        ids = torch.tensor([req.prompt_token_ids[start:end]], device=self.device)  # (1, T)
+        pos = torch.arange(start, end, device=self.device).unsqueeze(0)  # (1, T)
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1,
+                         **{self.cache_arg: cache})
+        if end == req.prompt_len and self.storage is not None and self.block_manager is not None:
+            self._store_prompt_blocks(req, cache)
+        return out.logits[0, -1].float()  # (V,)
+
+    def _store_prompt_blocks(self, req: Request, cache) -> None:
+        """Copy the newly computed prompt KV into the shared block storage (K1), so a
+        later request with the same prefix can load it instead of recomputing."""
+        table = self.block_manager.block_table(req.request_id)
+        start = req.num_cached_tokens  # blocks before this were loaded from storage already
+        per_layer = [(layer.keys[0, :, start:].transpose(0, 1),  # (T, H_kv, D)
+                      layer.values[0, :, start:].transpose(0, 1)) for layer in cache.layers]
+        self.storage.store_tokens(table, start, per_layer)
+
+    def promote(self, req: Request) -> None:
+        """Splice the staged row into the batch (the C3 seam's backend half)."""
+        row = self.staging.pop(req.request_id)
+        n = row.get_seq_length()
+        if self.cache is None or not self.row_ids:
+            self.cache, self.row_ids = row, [req.request_id]
+            self.mask = torch.ones(1, n, dtype=torch.long, device=self.device)
+            return
+        width = self.mask.shape[1]  # R3: the mask's own width, not kv_length
+        grow = max(0, n - width)  # columns to add on the left of the existing batch
+        row_pad = max(0, width - n)  # columns to add on the left of the new row
+        for big, small in zip(self.cache.layers, row.layers):
+            big.keys = torch.cat([F.pad(big.keys, (0, 0, grow, 0)), F.pad(small.keys, (0, 0, row_pad, 0))])
+            big.values = torch.cat([F.pad(big.values, (0, 0, grow, 0)),
+                                    F.pad(small.values, (0, 0, row_pad, 0))])
+        new_mask_row = F.pad(torch.ones(1, n, dtype=torch.long, device=self.device), (row_pad, 0))
+        self.mask = torch.cat([F.pad(self.mask, (grow, 0)), new_mask_row])  # (B+1, max(L, n))
+        self.row_ids.append(req.request_id)
+        self.check_invariants()
+
+    # --- decode side ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode_step_batched(self, reqs: list[Request], token_ids: list[int]) -> torch.Tensor:
+        """All rows of the batch, in any order: feed one token each, return (B, V) logits."""
+        order = {rid: i for i, rid in enumerate(self.row_ids)}
+        assert sorted(order[r.request_id] for r in reqs) == list(range(len(self.row_ids))), \
+            "the padded backend decodes the whole batch at once"
+        col = torch.empty(len(reqs), 1, dtype=torch.long, device=self.device)  # (B, 1)
+        for r, t in zip(reqs, token_ids):
+            col[order[r.request_id], 0] = t
+        pos = self.mask.sum(dim=1, keepdim=True)  # (B, 1): a row's count of real tokens
+        self.mask = torch.cat([self.mask, torch.ones_like(col)], dim=1)  # (B, L+1)
+        out = self.model(input_ids=col, attention_mask=self.mask, position_ids=pos,
+                         use_cache=True, **{self.cache_arg: self.cache})
+        logits = out.logits[:, -1].float()  # (B, V) in batch order
+        self.check_invariants()
+        return logits[torch.tensor([order[r.request_id] for r in reqs], device=self.device)]
+
+    def remove_row(self, req: Request) -> None:
+        if self.staging.pop(req.request_id, None) is not None or req.request_id not in self.row_ids:
+            return
+        i = self.row_ids.index(req.request_id)
+        keep = [j for j in range(len(self.row_ids)) if j != i]
+        self.row_ids.pop(i)
+        if not keep:
+            self.cache, self.mask = None, self.mask[:0, :0]
+            return
+        idx = torch.tensor(keep, device=self.device)
+        self.mask = self.mask[idx]
+        # Columns that are padding in every remaining row hold nothing: trim them
+        # (e.g. the longest row just left). Width comes from the mask itself (R3).
+        real_cols = self.mask.sum(dim=0).nonzero()
+        first = int(real_cols[0]) if len(real_cols) else self.mask.shape[1]
+        self.mask = self.mask[:, first:]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[idx, :, first:]
+            layer.values = layer.values[idx, :, first:]
+        self.check_invariants()
+
+    # --- metrics and checks ----------------------------------------------------------------
+    @property
+    def kv_length(self) -> int:
+        return 0 if self.cache is None else self.cache.get_seq_length()
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_ids)
+
+    def row_lengths(self) -> dict[str, int]:
+        return {rid: int(n) for rid, n in zip(self.row_ids, self.mask.sum(dim=1).tolist())}
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain lists for figures: the mask and the next position id of every row."""
+        mask = self.mask.tolist()
+        return {"name": self.name, "kv_length": self.kv_length, "num_rows": self.num_rows,
+                "row_ids": list(self.row_ids), "attention_mask": mask,
+                "position_ids": [[max(0, sum(r[: j + 1]) - 1) if r[j] else 0 for j in range(len(r))]
+                                 for r in mask],
+                "padding_tokens": sum(len(r) - sum(r) for r in mask),
+                "staging": {rid: c.get_seq_length() for rid, c in self.staging.items()}}
+
+    def check_invariants(self) -> None:
+        """R3: mask rows == batch rows, mask width == cache width, no all-zero row."""
+        if self.cache is None or not self.row_ids:
+            assert self.mask.numel() == 0
+            return
+        B, L = self.mask.shape
+        assert B == len(self.row_ids), (B, self.row_ids)
+        for layer in self.cache.layers:
+            assert layer.keys.shape[0] == B and layer.keys.shape[2] == L, (layer.keys.shape, B, L)
+        assert bool((self.mask.sum(dim=1) > 0).all()), "a row with no real tokens"
+        # left padding: once a row is real, it stays real to the right
+        assert bool((self.mask.diff(dim=1) >= 0).all()), "padding must be on the left"

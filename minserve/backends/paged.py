@@ -1,0 +1,291 @@
+"""The paged backend: KV in blocks of a shared pool, attention over block tables (SPEC B1).
+
+PagedAttention (Kwon et al., "Efficient Memory Management for Large Language Model
+Serving with PagedAttention", SOSP 2023), in plain PyTorch. Every row's KV lives in
+the blocks its block table names (`kv_cache.BlockManager` hands the ids out,
+`kv_storage.KVBlockStorage` holds the tensors), so rows of different lengths sit
+side by side with no padding in storage, and a prompt whose prefix is cached
+starts with the shared blocks already in its table: nothing to copy.
+
+    decode batch       block tables       pool (block_size 4)
+    row a, 6 tokens    [7, 2]             block 7: a0 a1 a2 a3   block 2: a4 a5 __ __
+    row b, 3 tokens    [5]                block 5: b0 b1 b2 __
+    kv_length = 6 (the longest row; drops when that row leaves: R3)
+
+How it plugs into the real Hugging Face model, with no forked model code:
+every attention layer of a transformers model calls
+`ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k, v, mask, **kwargs)`
+and passes the forward's extra keyword arguments down to it. So:
+
+1. `install_paged_attention(model)` registers `paged_attention_forward` under the
+   name "minserve_paged" (in transformers' process-wide AttentionInterface) and
+   switches the model to it. Its mask entry is HF's own `sdpa_mask`.
+2. Each forward of this backend passes `minserve_paged=PagedForward(...)`: the
+   slots where the new tokens' K/V go, and the slots of every row's whole history.
+   `use_cache=False`, so HF builds no DynamicCache of its own.
+3. The function writes K/V into the pool, gathers each row's tokens, and attends.
+   A forward WITHOUT that argument (`model.generate`, the padded backend, a plain
+   `model(ids)` in a notebook) is routed to HF's sdpa attention with HF's sdpa
+   masks: the model object keeps working for everybody else. Two engines sharing
+   one model share nothing else: each forward carries its own context.
+
+What changes on the model object: `model.config._attn_implementation` reads
+"minserve_paged" until `close()` (a model loaded with "eager" then runs sdpa for
+non-paged forwards: the same math up to float rounding). If someone switches the
+model to another implementation, this backend switches it back before its next
+forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..kv_cache import BlockManager
+from ..request import Request
+from .base import Backend
+from .kv_storage import KVBlockStorage
+
+PAGED_ATTN_IMPL = "minserve_paged"  # the name in transformers' AttentionInterface
+CONTEXT_KWARG = "minserve_paged"  # the forward kwarg that carries a PagedForward
+
+
+@dataclass
+class PagedForward:
+    """What one forward pass tells every attention layer: where to write, what to read.
+
+    B rows, T new tokens each (prefill: B = 1, T = chunk; decode: T = 1), L = the
+    longest row after this forward. Computed once per forward, used by all layers.
+    """
+
+    storage: KVBlockStorage
+    write_slots: torch.Tensor  # (B*T,) pool slot of each new token, row-major
+    read_slots: torch.Tensor  # (B, L) pool slots of each row's tokens 0..L-1 (0 past its end)
+    attn_mask: torch.Tensor  # (B, 1, T, L) bool: may query t of row b see key l?
+
+    @classmethod
+    def build(cls, storage: KVBlockStorage, block_tables: list[list[int]],
+              positions: torch.Tensor) -> PagedForward:
+        """`positions` (B, T): the token index in its row of every new token (contiguous)."""
+        B, T = positions.shape
+        starts = positions[:, 0].tolist()
+        ends = (positions[:, -1] + 1).tolist()  # tokens each row holds after this forward
+        L = max(ends)
+        write = [storage.slot_mapping(table, s, s + T) for table, s in zip(block_tables, starts)]
+        read = torch.zeros(B, L, dtype=torch.long, device=storage.device)  # (B, L)
+        for b, (table, n) in enumerate(zip(block_tables, ends)):
+            read[b, :n] = storage.slot_mapping(table, 0, n)  # the tail stays slot 0: masked below
+        # One comparison does both jobs: key l is visible to a query at position p iff
+        # l <= p. That is causality inside a prefill chunk AND it hides the padding of
+        # shorter rows in the gathered (B, L) batch (l >= n > p for every query of row b).
+        key_pos = torch.arange(L, device=storage.device)  # (L,)
+        mask = key_pos[None, None, :] <= positions.to(storage.device)[:, :, None]  # (B, T, L)
+        return cls(storage, torch.cat(write), read, mask.unsqueeze(1))  # mask (B, 1, T, L)
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None,
+                            scaling: float | None = None, dropout: float = 0.0, **kwargs):
+    """transformers' attention-function signature; q (B, H, T, D), k/v (B, H_kv, T, D).
+
+    Returns (out, None) with out (B, T, H, D), as HF's own sdpa function does.
+    The K/V given here are only this forward's new tokens (already rotated by RoPE).
+    """
+    ctx: PagedForward | None = kwargs.pop(CONTEXT_KWARG, None)
+    if ctx is None:  # not one of ours: behave exactly like attn_implementation="sdpa"
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    B, H, T, D = query.shape
+    H_kv = key.shape[1]
+    layer = module.layer_idx
+    # 1. Write: this forward's new K/V into their slots. Done first, so the gather
+    #    below sees each query's own token (a token attends to itself).
+    new_k = key.transpose(1, 2).reshape(B * T, H_kv, D)  # (B*T, H_kv, D)
+    new_v = value.transpose(1, 2).reshape(B * T, H_kv, D)  # (B*T, H_kv, D)
+    ctx.storage.write(layer, ctx.write_slots, new_k, new_v)
+    # 2. Gather: every row's whole history, padded to L in this temporary only (the
+    #    pool has no padding). A fused PagedAttention kernel reads the blocks in place;
+    #    one gather + one batched SDPA call is the readable CPU equivalent, and beats a
+    #    Python loop over rows once there are more than a few.
+    k_flat, v_flat = ctx.storage.flat(layer)  # (N*S, H_kv, D)
+    k = k_flat[ctx.read_slots].transpose(1, 2)  # (B, L, H_kv, D) -> (B, H_kv, L, D)
+    v = v_flat[ctx.read_slots].transpose(1, 2)  # (B, H_kv, L, D)
+    # 3. GQA: query head h reads KV head h // (H / H_kv), as HF's repeat_kv does.
+    k = k.repeat_interleave(H // H_kv, dim=1)  # (B, H, L, D)
+    v = v.repeat_interleave(H // H_kv, dim=1)  # (B, H, L, D)
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=ctx.attn_mask,
+                                         scale=scaling)  # (B, H, T, D)
+    return out.transpose(1, 2).contiguous(), None  # (B, T, H, D)
+
+
+def install_paged_attention(model: torch.nn.Module) -> str | None:
+    """Register "minserve_paged" (idempotent) and switch `model` to it; return its old name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(PAGED_ATTN_IMPL, paged_attention_forward)
+    AttentionMaskInterface.register(PAGED_ATTN_IMPL, sdpa_mask)  # for the non-paged route
+    previous = model.config._attn_implementation
+    if previous != PAGED_ATTN_IMPL:
+        model.set_attn_implementation(PAGED_ATTN_IMPL)
+    if model.config._attn_implementation != PAGED_ATTN_IMPL:
+        raise ValueError(f"{type(model).__name__} does not take a custom attention function "
+                         "(transformers' AttentionInterface); use backend='padded'")
+    return previous
+
+
+class PagedBackend(Backend):
+    """KV in a block pool; rows addressed by the BlockManager's block tables.
+
+    `PagedBackend(model, block_manager, storage=None)`: the pool is built from the
+    block manager's `num_blocks` x `block_size` unless a `KVBlockStorage` is given
+    (to share one with another backend). The scheduler allocates, grows and frees
+    block tables; this backend only reads them, and tracks per row how many tokens'
+    KV it has written (`row_lengths()`).
+    """
+
+    name = "paged"
+
+    def __init__(self, model: torch.nn.Module, block_manager: BlockManager,
+                 storage: KVBlockStorage | None = None) -> None:
+        bm = block_manager
+        self.storage = storage or KVBlockStorage.for_model(model, bm.num_blocks, bm.block_size)
+        if (self.storage.num_blocks, self.storage.block_size) != (bm.num_blocks, bm.block_size):
+            raise ValueError(f"storage is {self.storage.num_blocks} x {self.storage.block_size}, "
+                             f"block manager {bm.num_blocks} x {bm.block_size}: they must match")
+        self.model, self.block_manager = model, bm
+        self.device = self.storage.device
+        self.vocab_size = model.get_output_embeddings().out_features
+        self._previous_attn = install_paged_attention(model)
+        self.staging: dict[str, int] = {}  # request_id -> tokens with KV, rows being prefilled
+        self.rows: dict[str, int] = {}  # request_id -> tokens with KV, the decode batch
+
+    def close(self) -> None:
+        """Give the model back its previous attention implementation (if still ours)."""
+        if self.model.config._attn_implementation == PAGED_ATTN_IMPL and self._previous_attn:
+            self.model.set_attn_implementation(self._previous_attn)
+
+    # --- prefill side ------------------------------------------------------------------
+    def begin_prefill(self, req: Request) -> None:
+        """Open a staging row. Its `num_cached_tokens` tokens are already in the pool: the
+        block table starts with the shared prefix blocks, so there is nothing to load."""
+        rid = req.request_id
+        if rid in self.staging or rid in self.rows:
+            raise ValueError(f"row {rid!r} is already in the paged backend")
+        if not self.block_manager.has_seq(rid):
+            raise ValueError(f"row {rid!r} has no block table; allocate_prompt comes first")
+        if not 0 <= req.num_cached_tokens < req.prompt_len:  # K2: the last token is computed
+            raise ValueError(f"num_cached_tokens={req.num_cached_tokens} for a prompt of "
+                             f"{req.prompt_len} tokens")
+        self.staging[rid] = req.num_cached_tokens
+
+    def prefill_chunk(self, req: Request, start: int, end: int) -> torch.Tensor:
+        held = self.staging[req.request_id]
+        if start != held or not start < end <= req.prompt_len:
+            raise ValueError(f"row {req.request_id!r} holds {held} tokens; cannot prefill "
+                             f"{start}..{end} of a {req.prompt_len}-token prompt")
+        ids = torch.tensor([req.prompt_token_ids[start:end]], device=self.device)  # (1, T)
+        pos = torch.arange(start, end, device=self.device).unsqueeze(0)  # (1, T)
+        logits = self._forward(ids, pos, [self.block_manager.block_table(req.request_id)])
+        self.staging[req.request_id] = end
+        return logits[0]  # (V,)
+
+    def promote(self, req: Request) -> None:
+        held = self.staging[req.request_id]
+        if held != req.prompt_len:
+            raise ValueError(f"row {req.request_id!r} holds {held} of {req.prompt_len} prompt tokens")
+        self.rows[req.request_id] = self.staging.pop(req.request_id)
+
+    # --- decode side -------------------------------------------------------------------
+    def decode_step_batched(self, reqs: list[Request], token_ids: list[int]) -> torch.Tensor:
+        if len(reqs) != len(token_ids) or len({r.request_id for r in reqs}) != len(reqs):
+            raise ValueError("decode needs one token per row and each row once")
+        if not reqs:
+            return torch.zeros(0, self.vocab_size)
+        positions = []
+        for r in reqs:
+            pos = r.num_tokens - 1  # the new token's index in its row
+            if r.request_id not in self.rows:
+                raise ValueError(f"row {r.request_id!r} is not in the decode batch (promote it)")
+            if self.rows[r.request_id] != pos:
+                raise ValueError(f"row {r.request_id!r} holds {self.rows[r.request_id]} tokens; "
+                                 f"its next token must be at that position, not {pos}")
+            positions.append([pos])
+        ids = torch.tensor(token_ids, device=self.device).unsqueeze(1)  # (B, 1)
+        pos_t = torch.tensor(positions, device=self.device)  # (B, 1)
+        tables = [self.block_manager.block_table(r.request_id) for r in reqs]
+        logits = self._forward(ids, pos_t, tables)  # (B, V)
+        for r, [p] in zip(reqs, positions):
+            self.rows[r.request_id] = p + 1
+        return logits
+
+    def remove_row(self, req: Request) -> None:
+        """Forget the row. Its blocks are the block manager's to free (the scheduler does)."""
+        self.staging.pop(req.request_id, None)
+        self.rows.pop(req.request_id, None)
+
+    @torch.inference_mode()
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                 tables: list[list[int]]) -> torch.Tensor:
+        """One forward of the HF model over ids (B, T); last position's logits (B, V) float32."""
+        if self.model.config._attn_implementation != PAGED_ATTN_IMPL:
+            install_paged_attention(self.model)  # someone switched it away: switch back
+        ctx = PagedForward.build(self.storage, tables, positions)
+        out = self.model(input_ids=ids, position_ids=positions, use_cache=False,
+                         logits_to_keep=1, **{CONTEXT_KWARG: ctx})
+        return out.logits[:, -1].float()  # (B, 1, V) -> (B, V)
+
+    # --- metrics, figures, invariants --------------------------------------------------
+    @property
+    def kv_length(self) -> int:
+        """The longest decode-batch row, in tokens. A metric only (R3): it shrinks when
+        the longest row leaves, so no scheduler tensor may be sized from it."""
+        return max(self.rows.values(), default=0)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    def row_lengths(self) -> dict[str, int]:
+        """Tokens whose KV is in the pool, per row (decode batch and staging)."""
+        return {**self.rows, **self.staging}
+
+    def snapshot(self) -> dict[str, Any]:
+        bm = self.block_manager
+        rows = [{"request_id": rid, "state": state, "length": n,
+                 "block_table": bm.block_table(rid) if bm.has_seq(rid) else []}
+                for state, group in (("active", self.rows), ("prefilling", self.staging))
+                for rid, n in group.items()]
+        return {**super().snapshot(), "block_size": self.storage.block_size,
+                "rows": rows, "storage": self.storage.snapshot()}
+
+    def check_invariants(self) -> None:
+        """Every row fits its block table, and no row can write into a shared block."""
+
+        def need(cond: bool, msg: str) -> None:
+            if not cond:  # not `assert`: must still check under `python -O`
+                raise AssertionError(msg)
+
+        bs = self.storage.block_size
+        need(not self.rows.keys() & self.staging.keys(), "a row is both staged and active")
+        owners: dict[int, list[tuple[str, int]]] = {}  # block id -> (row, index in its table)
+        for rid, n in self.row_lengths().items():
+            need(self.block_manager.has_seq(rid), f"row {rid!r} has no block table (freed early?)")
+            table = self.block_manager.block_table(rid)
+            need(0 <= n <= len(table) * bs, f"row {rid!r}: {n} tokens in {len(table)} blocks")
+            for i, block_id in enumerate(table):
+                need(0 <= block_id < self.storage.num_blocks, f"row {rid!r}: bad block {block_id}")
+                owners.setdefault(block_id, []).append((rid, i))
+        # A block in two tables must hold only already-computed tokens for both: row r
+        # writes its next token into table index n // bs, which must be private to r.
+        lengths = self.row_lengths()
+        for block_id, users in owners.items():
+            if len(users) > 1:
+                for rid, i in users:
+                    need(i < lengths[rid] // bs,
+                         f"block {block_id} is shared but row {rid!r} still writes into it")

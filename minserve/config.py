@@ -1,0 +1,117 @@
+"""EngineConfig: every knob of the engine, validated once, at construction.
+
+One dataclass, the SPEC's knob names (A2), no globals. A bad value raises
+`ValueError` with a message that says what to change, so a typo in a notebook
+fails on the line that made it, not three ticks later inside a forward pass.
+
+    EngineConfig(max_batch_size=4, policy="fcfs", backend="padded",
+                 prefill_mode="monolithic", dtype="float32")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import Enum
+
+
+class PrefillMode(str, Enum):
+    """How a prompt's tokens get through the model (SPEC C1, C2)."""
+
+    MONOLITHIC = "monolithic"  # the whole prompt in one forward pass, on the tick after admit
+    CHUNKED = "chunked"  # Version A: one chunk of `prefill_chunk_size` per tick, its own pass
+    MIXED_BATCH = "mixed_batch"  # Version B (Sarathi-Serve): chunk + decode rows in ONE pass
+    DISAGGREGATED = "disaggregated"  # prefill and decode on different workers (DistServe)
+
+
+IMPLEMENTED_PREFILL_MODES = (PrefillMode.MONOLITHIC, PrefillMode.CHUNKED)
+POLICIES = ("fcfs", "fair")
+BACKENDS = ("padded", "paged")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass
+class EngineConfig:
+    """All engine knobs. Unknown names are a TypeError; bad values a ValueError.
+
+    Sizes are in *tokens* unless the name says blocks.
+    """
+
+    # --- model ---------------------------------------------------------------
+    model: str | None = None  # None -> the embedded SmolLM2-135M-Instruct (D2); or a path / hub id
+    dtype: str = "float32"
+    device: str = "auto"  # "auto" -> cuda, then mps, then cpu (D1)
+    max_model_len: int | None = None  # None -> the model's max_position_embeddings
+
+    # --- queues and batch (Q) -------------------------------------------------
+    max_batch_size: int = 8  # rows in prefilling + active together (Q3)
+    max_queue_size: int = 256  # gate G1: pending requests beyond this are refused
+
+    # --- policy (P) -------------------------------------------------------------
+    policy: str = "fcfs"  # "fcfs" (P1) | "fair" (P2, VTC)
+    fair_w_in: float = 1.0  # P3: cost of one prompt token computed
+    fair_w_out: float = 2.0  # P3: cost of one output token
+
+    # --- backpressure (G) -------------------------------------------------------
+    kv_budget_tokens: int | None = None  # gate G2; None -> num_blocks * block_size
+
+    # --- backend and KV cache (B, K) --------------------------------------------
+    backend: str = "padded"  # "padded" (DynamicCache) | "paged" (block tables)
+    block_size: int = 16  # tokens per KV block (K1)
+    num_blocks: int | None = None  # None -> derived from max_batch_size * max_model_len
+    enable_prefix_caching: bool = True  # K1/K2: reuse the KV of equal prompt prefixes
+
+    # --- prefill (C) ---------------------------------------------------------------
+    prefill_mode: str = ""  # "" -> derived from prefill_chunk_size (C2)
+    prefill_chunk_size: int = 0  # > 0 -> chunked prefill with chunks of this many tokens
+
+    # --- misc ------------------------------------------------------------------------
+    seed: int = 0  # seeds requests that bring no seed of their own
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"EngineConfig: {msg}")
+
+        need(self.dtype in DTYPES, f"dtype={self.dtype!r}; use one of {DTYPES}")
+        need(isinstance(self.device, str) and self.device != "", "device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
+        need(_pos_int(self.max_batch_size), f"max_batch_size={self.max_batch_size!r}; use an int >= 1")
+        need(_pos_int(self.max_queue_size), f"max_queue_size={self.max_queue_size!r}; use an int >= 1")
+        need(self.policy in POLICIES, f"policy={self.policy!r}; use one of {POLICIES}")
+        need(self.fair_w_in >= 0 and self.fair_w_out >= 0 and self.fair_w_in + self.fair_w_out > 0,
+             "fair_w_in and fair_w_out must be >= 0 and not both 0")
+        need(self.backend in BACKENDS, f"backend={self.backend!r}; use one of {BACKENDS}")
+        need(_pos_int(self.block_size), f"block_size={self.block_size!r}; use an int >= 1")
+        need(self.num_blocks is None or _pos_int(self.num_blocks),
+             f"num_blocks={self.num_blocks!r}; use an int >= 1, or None to derive it")
+        need(self.kv_budget_tokens is None or _pos_int(self.kv_budget_tokens),
+             f"kv_budget_tokens={self.kv_budget_tokens!r}; use an int >= 1, or None to derive it")
+        need(self.max_model_len is None or _pos_int(self.max_model_len),
+             f"max_model_len={self.max_model_len!r}; use an int >= 1, or None for the model's own")
+        need(isinstance(self.prefill_chunk_size, int) and self.prefill_chunk_size >= 0,
+             f"prefill_chunk_size={self.prefill_chunk_size!r}; use 0 (no chunking) or an int >= 1")
+
+        # C2: an empty mode is derived from the chunk size.
+        if self.prefill_mode in ("", None):
+            self.prefill_mode = "chunked" if self.prefill_chunk_size > 0 else "monolithic"
+        modes = [m.value for m in PrefillMode]
+        need(self.prefill_mode in modes, f"prefill_mode={self.prefill_mode!r}; use one of {modes}")
+        mode = PrefillMode(self.prefill_mode)
+        # C2: named modes that are not built fail loudly, never silently fall back.
+        need(mode in IMPLEMENTED_PREFILL_MODES,
+             f"prefill_mode={mode.value!r} is named in the design (SPEC C2) but not implemented; "
+             f"use 'monolithic' or 'chunked'")
+        need(mode is not PrefillMode.CHUNKED or self.prefill_chunk_size > 0,
+             "prefill_mode='chunked' needs prefill_chunk_size > 0")
+
+    @property
+    def prefill(self) -> PrefillMode:
+        return PrefillMode(self.prefill_mode)
+
+    def replace(self, **changes) -> EngineConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _pos_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1

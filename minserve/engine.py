@@ -1,0 +1,243 @@
+"""Engine: the public face (SPEC §10). Model + tokenizer + scheduler + worker thread.
+
+    engine = Engine(EngineConfig(max_batch_size=4))      # model=None -> embedded SmolLM2
+    outs = engine.generate(["Hello", [1, 2, 3], [{"role": "user", "content": "Hi"}]],
+                           SamplingParams(max_tokens=32))
+    handle = engine.submit("Hi", SamplingParams(max_tokens=8), session_id="alice")
+    engine.step()                                        # one tick, by hand (step mode)
+
+Two ways to drive the scheduler:
+
+* **step mode** (notebooks, tests): nothing runs until you call `step()` (or
+  `generate`, which steps until its prompts are done). Deterministic.
+* **serving mode** (`start()`, the HTTP server, the Gradio app): a worker
+  thread runs ticks while there is work and sleeps when there is none;
+  `submit` may then be called from any thread.
+
+Everything is per-instance: two engines can live side by side in a notebook.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any, Union
+
+import torch
+
+from .backends.padded import PaddedBackend
+from .config import EngineConfig
+from .models import load_model
+from .policies import make_policy
+from .records import TickRecord
+from .request import Request, RequestOutput
+from .sampling import SamplingParams, make_generator
+from .scheduler import Scheduler
+from .streaming import RequestHandle
+
+Prompt = Union[str, Sequence[int], Sequence[dict]]
+DEFAULT_MAX_CONTEXT_FOR_BLOCKS = 1024  # tokens per row assumed when deriving num_blocks
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, *, model: torch.nn.Module | None = None,
+                 tokenizer=None) -> None:
+        self.config = config = config or EngineConfig()
+        if model is None:
+            model, tokenizer = load_model(config.model, config.dtype, config.device)
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.device = next(model.parameters()).device
+        self.max_model_len = config.max_model_len or int(model.config.max_position_embeddings)
+        self.eos_token_ids = self._eos_ids()
+        self.model_name = config.model or "SmolLM2-135M-Instruct"
+
+        # K1: the block pool. Default size: every batch row holding up to
+        # DEFAULT_MAX_CONTEXT_FOR_BLOCKS tokens. G2's budget defaults to the same number of tokens.
+        bs = config.block_size
+        num_blocks = config.num_blocks or max_batch_blocks(
+            config.max_batch_size, min(self.max_model_len, DEFAULT_MAX_CONTEXT_FOR_BLOCKS), bs)
+        self.num_blocks = num_blocks
+        kv_budget = config.kv_budget_tokens or num_blocks * bs
+        self.block_manager, storage = None, None
+        if config.backend == "paged" or config.enable_prefix_caching:
+            from .backends.kv_storage import KVBlockStorage
+            from .kv_cache import BlockManager
+
+            self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+            storage = KVBlockStorage.for_model(model, num_blocks, bs)
+        if config.backend == "paged":
+            from .backends.paged import PagedBackend
+
+            backend = PagedBackend(model, self.block_manager, storage)
+        else:
+            backend = PaddedBackend(model, storage=storage if config.enable_prefix_caching else None)
+            backend.block_manager = self.block_manager
+        policy = make_policy(config.policy, config.fair_w_in, config.fair_w_out)
+        self.scheduler = Scheduler(config, backend, policy, kv_budget, self.block_manager)
+
+        self._seq = itertools.count()
+        self._worker: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.last_error: str | None = None
+        self.trace: list[TickRecord] | None = None  # set to [] to record every tick
+
+    # ================================================================ inputs
+    def _eos_ids(self) -> tuple[int, ...]:
+        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.model.config, "eos_token_id", None)
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Text, token ids, or chat messages (through the chat template) -> token ids."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass token ids")
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        elif len(prompt) and isinstance(prompt[0], dict):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass token ids")
+            ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
+                                                     tokenize=True)
+            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+                ids = ids["input_ids"]
+        else:
+            ids = list(prompt)
+        ids = [int(t) for t in ids]
+        vocab = int(self.model.config.vocab_size)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        return ids
+
+    def make_request(self, prompt: Prompt, sampling: SamplingParams | None = None, *,
+                     session_id: str = "default", priority: int = 0,
+                     request_id: str | None = None) -> Request:
+        sampling = sampling or SamplingParams()
+        ids = self.encode(prompt)
+        if len(ids) + sampling.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) "
+                             f"exceeds the model's context of {self.max_model_len} tokens")
+        seq = next(self._seq)
+        req = Request(request_id=request_id or f"req-{seq}", prompt_token_ids=ids,
+                      sampling=sampling, arrival_seq=seq, session_id=str(session_id),
+                      priority=int(priority), eos_token_ids=self.eos_token_ids)
+        # Per-request RNG: the same seed gives the same tokens whatever shares the batch.
+        req.generator = make_generator(sampling.seed if sampling.seed is not None
+                                       else self.config.seed * 1_000_003 + seq)
+        req.handle = RequestHandle(req.request_id, self.cancel, self.tokenizer, sampling.stop)
+        return req
+
+    # ================================================================ public API
+    def submit(self, prompt: Prompt, sampling: SamplingParams | None = None, *,
+               session_id: str = "default", priority: int = 0,
+               request_id: str | None = None) -> RequestHandle:
+        """Queue one request; return its streaming handle at once.
+
+        A refusal (G1 now, G2/G3 at admit) arrives as the handle's final event,
+        with `rejection` naming the gate. Invalid input raises ValueError.
+        """
+        req = self.make_request(prompt, sampling, session_id=session_id, priority=priority,
+                                request_id=request_id)
+        self.scheduler.submit(req)
+        self._wake.set()
+        return req.handle
+
+    def cancel(self, request_id: str) -> bool:
+        ok = self.scheduler.cancel(request_id)
+        self._wake.set()
+        return ok
+
+    def step(self) -> TickRecord:
+        """One tick (T1..T4). In serving mode the worker calls this; don't call it yourself then."""
+        rec = self.scheduler.step()
+        if self.trace is not None:
+            self.trace.append(rec)
+        return rec
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 session_id: str = "default", priority: int = 0) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in input order.
+
+        In step mode this ticks the scheduler itself; with the worker running it
+        waits. Either way it never submits past the queue's capacity (G1).
+        """
+        single = isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, dict)))
+        prompts = [prompts] if single else list(prompts)
+        params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        reqs = [self.make_request(p, s, session_id=session_id, priority=priority)
+                for p, s in zip(prompts, params)]
+        todo = list(reqs)
+        while True:
+            while todo and len(self.scheduler.policy) < self.config.max_queue_size:
+                self.scheduler.submit(todo.pop(0))
+            self._wake.set()
+            if not todo and all(r.handle.finished for r in reqs):
+                break
+            if self.running:
+                time.sleep(0.005)
+            else:
+                self.step()
+        return [r.handle.output for r in reqs]
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler.stats()
+        s.update(model=self.model_name, device=str(self.device), worker_alive=self.running,
+                 last_error=self.last_error)
+        return s
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+
+    # ================================================================ serving mode
+    @property
+    def running(self) -> bool:
+        return self._worker is not None and self._worker.is_alive()
+
+    def start(self) -> Engine:
+        """Start the worker thread (serving mode). Idempotent."""
+        if not self.running:
+            self._stop.clear()
+            self._worker = threading.Thread(target=self._run, name="minserve-worker", daemon=True)
+            self._worker.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._worker is not None:
+            self._worker.join(timeout)
+        self._worker = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.scheduler.has_work():
+                self._wake.wait(timeout=0.1)
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception:  # keep serving: fail the rows in flight, report the error
+                self.last_error = traceback.format_exc()
+                self.scheduler.fail_all("engine error: " + self.last_error.strip().splitlines()[-1])
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def max_batch_blocks(max_batch_size: int, tokens_per_row: int, block_size: int) -> int:
+    """Blocks for `max_batch_size` rows of `tokens_per_row` tokens, rounded up per row."""
+    return max_batch_size * -(-tokens_per_row // block_size)

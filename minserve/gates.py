@@ -1,0 +1,80 @@
+"""Backpressure: the three gates a request passes before it starts (SPEC G).
+
+    submit ──► G1 queue capacity ──► pending ──► G2 active-KV budget ──► G3 block pool ──► prefilling
+               (refuse at once)                  (hold, or refuse if it can never fit)
+
+Each gate answers with `None` (pass) or a `Rejection` that names the gate and
+carries the numbers that decided it (G6). A *soft* rejection is a hold: the
+request stays at the head of `pending`, order and fairness kept, and admit
+tries again next tick (G4). A *hard* rejection means it can never pass on this
+engine, so the client gets an answer (HTTP 429 + reason) instead of a hang.
+
+Why a reservation (G2) and not just free memory: a request admitted now will
+grow by up to `max_tokens` more tokens of KV. Reserving `prompt_len +
+max_tokens` up front means an admitted request can always finish; without it,
+the engine must preempt (evict-to-admit, then re-evict: thrash). Preemption is
+out of scope (P6); it would be one more place that subtracts the reservation.
+
+Pure functions: the scheduler owns the numbers and the counters.
+"""
+
+from __future__ import annotations
+
+from .request import Rejection
+
+
+def check_queue_capacity(pending: int, max_queue_size: int) -> Rejection | None:
+    """G1, at submit: a full pending queue refuses at once (never queues unboundedly)."""
+    if pending >= max_queue_size:
+        return Rejection(
+            gate="G1", reason="queue_full", hard=True,
+            message=f"the pending queue is full ({pending}/{max_queue_size}); retry later",
+            numbers={"pending": pending, "max_queue_size": max_queue_size})
+    return None
+
+
+def check_kv_budget(need: int, reserved: int, budget: int) -> Rejection | None:
+    """G2, at admit: reserve `prompt_len + max_tokens` tokens of KV out of `budget`.
+
+    need > budget              -> hard: it could never fit, even alone.
+    reserved + need > budget   -> soft: wait until running requests finish.
+    """
+    numbers = {"need": need, "active_kv_reserved": reserved, "kv_budget_tokens": budget}
+    if need > budget:
+        return Rejection(gate="G2", reason="kv_budget_exceeded", hard=True, numbers=numbers,
+                         message=f"prompt + max_tokens = {need} tokens exceeds the whole KV "
+                                 f"budget of {budget} tokens; shorten the prompt or max_tokens")
+    if reserved + need > budget:
+        return Rejection(gate="G2", reason="kv_budget", hard=False, numbers=numbers,
+                         message=f"{reserved} of {budget} KV tokens are reserved; "
+                                 f"this request needs {need} more")
+    return None
+
+
+def check_block_pool(blocks_needed: int, free_blocks: int, prompt_blocks: int,
+                     num_blocks: int) -> Rejection | None:
+    """G3, at admit: the prompt's uncached blocks must be free (or evictable) now.
+
+    prompt_blocks > num_blocks  -> hard: the prompt alone is bigger than the pool.
+    blocks_needed > free_blocks -> soft: wait for blocks to be released.
+    """
+    numbers = {"blocks_needed": blocks_needed, "free_blocks": free_blocks,
+               "prompt_blocks": prompt_blocks, "num_blocks": num_blocks}
+    if prompt_blocks > num_blocks:
+        return Rejection(gate="G3", reason="prompt_exceeds_block_pool", hard=True, numbers=numbers,
+                         message=f"the prompt needs {prompt_blocks} KV blocks; the pool has "
+                                 f"{num_blocks} in all")
+    if blocks_needed > free_blocks:
+        return Rejection(gate="G3", reason="block_pool", hard=False, numbers=numbers,
+                         message=f"the prompt needs {blocks_needed} new KV blocks; "
+                                 f"{free_blocks} are free")
+    return None
+
+
+def batch_slot_hold(rows: int, max_batch_size: int) -> Rejection | None:
+    """Not a gate of its own: every batch row is taken, so the head waits (soft)."""
+    if rows >= max_batch_size:
+        return Rejection(gate="batch", reason="batch_full", hard=False,
+                         message=f"all {max_batch_size} batch rows are busy",
+                         numbers={"rows": rows, "max_batch_size": max_batch_size})
+    return None

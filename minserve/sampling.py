@@ -1,0 +1,96 @@
+"""Sampling: how one row's logits become one token.
+
+`SamplingParams` is what a client asks for; `Sampler` turns a batch of logits
+into one token per row. Two properties matter for a serving engine:
+
+* **Greedy is argmax, nothing else** (temperature 0), so the engine's tokens can
+  be compared with Hugging Face `generate(do_sample=False)` exactly (SPEC B2).
+* **Seeded sampling is per request.** Each request owns a `torch.Generator`
+  seeded once; a row draws from its own generator and from nothing else, so the
+  tokens a request gets do not depend on who else shares the batch, nor on the
+  order of rows in it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """What a client asks for. Validated at construction (A2)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 -> greedy (argmax)
+    top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose mass >= top_p
+    top_k: int = 0  # 0 -> off; else keep the k most likely tokens
+    seed: int | None = None  # None -> derived from the engine seed and the arrival order
+    stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
+    stop_token_ids: list[int] = field(default_factory=list)  # extra stop ids besides EOS
+    ignore_eos: bool = False  # benchmarks: run to max_tokens even past EOS
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"SamplingParams: {msg}")
+
+        need(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
+             and self.max_tokens >= 1, f"max_tokens={self.max_tokens!r}; use an int >= 1")
+        need(isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0,
+             f"temperature={self.temperature!r}; use a number in [0, 100] (0 = greedy)")
+        need(isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0,
+             f"top_p={self.top_p!r}; use a number in (0, 1]")
+        need(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k={self.top_k!r}; use an int >= 0 (0 = off)")
+        need(self.seed is None or (isinstance(self.seed, int) and self.seed >= 0),
+             f"seed={self.seed!r}; use an int >= 0 or None")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+        need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ints >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sampler:
+    """Picks the next token for each row of a batch of logits."""
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               generators: list[torch.Generator | None]) -> list[int]:
+        """logits (B, V) -> B token ids. Row i uses params[i] and generators[i] only."""
+        out: list[int] = []
+        for row, p, g in zip(logits, params, generators):  # row: (V,)
+            out.append(self.sample_row(row, p, g))
+        return out
+
+    @staticmethod
+    def sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+        """One row (V,) -> one token id."""
+        if p.greedy:
+            return int(torch.argmax(logits).item())
+        logits = logits.float() / p.temperature
+        if p.top_k and p.top_k < logits.numel():
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, idx = torch.sort(probs, descending=True)
+            # drop a token once the mass *before* it already reaches top_p
+            drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= p.top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+            probs = probs / probs.sum()
+        # The generator lives on the CPU, so sample there: same stream on any device.
+        return int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
+
+
+def make_generator(seed: int) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed)
+    return g

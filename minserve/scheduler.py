@@ -1,0 +1,425 @@
+"""The scheduler: three queues and a tick of four phases (SPEC Q, T, R).
+
+    submit ─G1─► pending (the policy) ─T1 admit─► prefilling ─T2 last chunk─► active
+                                                                   │              │
+                                                      T3 evict ◄───┴──────────────┘  T4 decode: all
+                                                                                    active rows, one
+                                                                                    token each
+
+One tick = `admit_pending` → `advance_prefill_chunk` → `evict_finished` →
+`decode_step`, in this order (T5):
+
+* admit before prefill, so a request admitted this tick is prefilled (and, in
+  monolithic mode, streams its first token) in the same tick;
+* evict before decode, so a row that finished (EOS, stop, max_tokens, cancel)
+  is never decoded again.
+
+Each phase is a public method that returns a record of what it did
+(records.py); `step()` runs all four. The worker thread (engine.py) holds
+`self.lock` for a whole tick; `submit` and `cancel` only take the small
+`queue_lock`, so a client is answered at once even while a long prefill runs.
+
+The load-bearing invariant (R1):
+
+    active_kv_reserved == sum(prompt_len + max_tokens for r in prefilling + active)
+
+Admit adds a request's reservation; eviction (finish, cancel, error) subtracts
+it. `check_invariants()` verifies R1 and that every request sits in exactly one
+queue; the tests call it after every phase. (Preemption, P6, would be one more
+subtractor: it would live next to `_release`.)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from . import gates
+from .backends.base import Backend
+from .config import EngineConfig, PrefillMode
+from .policies import Policy
+from .records import AdmitRecord, DecodeRecord, EvictRecord, PrefillRecord, TickRecord
+from .request import FinishReason, Rejection, Request, RequestOutput, RequestStatus
+from .sampling import Sampler
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, backend: Backend, policy: Policy,
+                 kv_budget_tokens: int, block_manager=None) -> None:
+        self.config = config
+        self.backend = backend
+        self.policy = policy  # IS the pending queue (Q1)
+        self.block_manager = block_manager  # KV blocks + prefix cache (kv_cache.py), or None
+        self.kv_budget_tokens = kv_budget_tokens
+        self.sampler = Sampler()
+        self.prefilling: list[Request] = []  # Q2, in admission order
+        self.active: list[Request] = []  # Q3, the decode batch
+        self.requests: dict[str, Request] = {}  # every request not yet finished
+        self.active_kv_reserved = 0  # R1
+        self.tick_count = 0
+        self.lock = threading.RLock()  # the backend lock: held for a whole tick
+        self.queue_lock = threading.RLock()  # guards the policy (pending) and `requests`
+        # counters for stats (G5)
+        self.kv_admit_blocked = {"G1": 0, "G2": 0, "G3": 0, "batch": 0}
+        self.rejected = {"G1": 0, "G2": 0, "G3": 0}
+        self.finished_count = 0
+        self.tokens_generated = 0
+        self.prompt_tokens_computed = 0
+
+    # ================================================================= entry points
+    def submit(self, req: Request) -> Rejection | None:
+        """Gate G1 then enqueue. Returns the rejection (and finishes the request) if refused."""
+        with self.queue_lock:
+            rejection = gates.check_queue_capacity(len(self.policy), self.config.max_queue_size)
+            if rejection is not None:
+                self.kv_admit_blocked["G1"] += 1
+                self.rejected["G1"] += 1
+                self._finish(req, FinishReason.ERROR, rejection=rejection)
+                return rejection
+            req.status = RequestStatus.PENDING
+            self.requests[req.request_id] = req
+            self.policy.on_request_arrived(req)
+        return None
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request in any queue. Pending: dropped now. Running: evicted in T3."""
+        with self.queue_lock:
+            req = self.requests.get(request_id)
+            if req is None or req.is_finished:
+                return False
+            req.cancel_requested = True
+            if req.status is RequestStatus.PENDING:
+                self.policy.remove(req)
+                self._finish(req, FinishReason.CANCELLED)
+        return True
+
+    # ================================================================= the tick
+    def step(self) -> TickRecord:
+        """One tick: the four phases in SPEC order (T5), under the backend lock."""
+        with self.lock:
+            t0 = time.perf_counter()
+            admit = self.admit_pending()
+            prefill = self.advance_prefill_chunk()
+            evict = self.evict_finished()
+            decode = self.decode_step()
+            self.tick_count += 1
+            return self._tick_record(admit, prefill, evict, decode, time.perf_counter() - t0)
+
+    # ---------------------------------------------------------------- T1
+    def admit_pending(self) -> AdmitRecord:
+        """T1: move requests from `pending` to `prefilling` while the gates allow.
+
+        Peek the policy's head; check a batch row is free, then G2 (KV
+        reservation) and G3 (block pool). Pass -> pick it, reserve
+        prompt_len + max_tokens (R1), allocate its blocks (cached prefix
+        reused, K2) and open its staging row. Soft hold -> stop; the head keeps
+        its place (G4). Hard reject -> finish it with the gate's reason (G6) and
+        look at the next one.
+
+        After: R1 holds; every admitted request is PREFILLING with
+        num_computed_prompt_tokens == num_cached_tokens.
+        """
+        rec = AdmitRecord()
+        with self.lock, self.queue_lock:
+            while (req := self.policy.peek_next()) is not None:
+                rejection = self._run_gates(req)
+                if rejection is not None and not rejection.hard:
+                    self.kv_admit_blocked[rejection.gate] += 1
+                    rec.held = {"request_id": req.request_id, "rejection": rejection.to_dict()}
+                    break
+                self.policy.pick_next()
+                if rejection is not None:  # hard: it can never fit on this engine
+                    self.kv_admit_blocked[rejection.gate] += 1
+                    self.rejected[rejection.gate] += 1
+                    self._finish(req, FinishReason.ERROR, rejection=rejection)
+                    rec.rejected.append({"request_id": req.request_id, "rejection": rejection.to_dict()})
+                    continue
+                self._admit(req)
+                rec.admitted.append({"request_id": req.request_id, "reserved": req.reserved_tokens,
+                                     "cached_tokens": req.num_cached_tokens})
+        return rec
+
+    def _run_gates(self, req: Request) -> Rejection | None:
+        rows = len(self.prefilling) + len(self.active)
+        r = gates.check_kv_budget(req.kv_need, self.active_kv_reserved, self.kv_budget_tokens)
+        if r is not None and r.hard:
+            return r  # report "never fits" even when the batch is also full
+        r = r or gates.batch_slot_hold(rows, self.config.max_batch_size)
+        if r is None and self.block_manager is not None:
+            bm, bs = self.block_manager, self.block_manager.block_size
+            r = gates.check_block_pool(
+                blocks_needed=bm.blocks_needed(req.prompt_token_ids),
+                free_blocks=bm.num_free_blocks(),
+                prompt_blocks=-(-req.prompt_len // bs), num_blocks=bm.num_blocks)
+        return r
+
+    def _admit(self, req: Request) -> None:
+        req.status = RequestStatus.PREFILLING
+        req.reserved_tokens = req.kv_need
+        self.active_kv_reserved += req.reserved_tokens  # R1: admit adds
+        if self.block_manager is not None:
+            req.num_cached_tokens = self.block_manager.allocate_prompt(req.request_id,
+                                                                        req.prompt_token_ids)
+        req.num_computed_prompt_tokens = req.num_cached_tokens
+        req.timing.admitted = time.perf_counter()
+        self.backend.begin_prefill(req)
+        self.prefilling.append(req)
+
+    # ---------------------------------------------------------------- T2
+    def advance_prefill_chunk(self) -> PrefillRecord:
+        """T2: push prompt tokens of `prefilling` rows through the model.
+
+        monolithic: every prefilling row's whole remaining prompt, one forward each.
+        chunked (Sarathi-style budget, Version A): at most `prefill_chunk_size`
+        prompt tokens this tick, taken from the rows in admission order, one
+        forward per row piece, so one giant prompt never freezes the decode
+        batch for more than one chunk.
+
+        On a row's final chunk: register its now-computed blocks (K3), sample
+        its first token, stream it, and promote it through `_promote_to_decode`.
+        After: rows in `prefilling` have 0 < remaining prompt tokens.
+        """
+        rec = PrefillRecord()
+        chunked = self.config.prefill is PrefillMode.CHUNKED
+        budget = self.config.prefill_chunk_size if chunked else None
+        with self.lock:
+            for req in list(self.prefilling):
+                if req.cancel_requested:
+                    continue  # T3 evicts it
+                if budget is not None and budget <= 0:
+                    break
+                start = req.num_computed_prompt_tokens
+                end = req.prompt_len if budget is None else min(req.prompt_len, start + budget)
+                logits = self.backend.prefill_chunk(req, start, end)
+                req.num_computed_prompt_tokens = end
+                req.timing.prefill_chunks += 1
+                self.prompt_tokens_computed += end - start
+                if budget is not None:
+                    budget -= end - start
+                with self.queue_lock:
+                    self.policy.on_tokens_processed(req, end - start, 0)
+                chunk = {"request_id": req.request_id, "start": start, "end": end,
+                         "final": end == req.prompt_len, "first_token": None}
+                if end == req.prompt_len:
+                    if self.block_manager is not None:
+                        self.block_manager.mark_computed(req.request_id, req.prompt_token_ids, end)
+                    chunk["first_token"] = self._append_token(req, logits)
+                    self._promote_to_decode(req)
+                    rec.promoted.append(req.request_id)
+                rec.chunks.append(chunk)
+        return rec
+
+    def _promote_to_decode(self, req: Request) -> None:
+        """The one seam through which every completed prefill enters the decode
+        batch (SPEC C3). Under P/D disaggregation, the KV transfer from the
+        prefill worker would go here; nothing else would change."""
+        self.prefilling.remove(req)
+        self.backend.promote(req)
+        req.status = RequestStatus.ACTIVE
+        self.active.append(req)
+
+    # ---------------------------------------------------------------- T3
+    def evict_finished(self) -> EvictRecord:
+        """T3: remove finished or cancelled rows from `active` (and cancelled ones
+        from `prefilling`): drop their KV row, free their blocks, subtract their
+        reservation (R1), tell the policy, finish the client's response.
+
+        After: every row in `active` has no finish reason, so T4 never decodes a
+        finished row (T5).
+        """
+        rec = EvictRecord()
+        with self.lock:
+            for queue, name in ((self.prefilling, "prefilling"), (self.active, "active")):
+                for req in list(queue):
+                    if req.cancel_requested and req.finish_reason is None:
+                        req.finish_reason = FinishReason.CANCELLED
+                    if req.finish_reason is None:
+                        continue
+                    queue.remove(req)
+                    released = self._release(req)
+                    rec.evicted.append({"request_id": req.request_id, "from_queue": name,
+                                        "finish_reason": req.finish_reason.value,
+                                        "released_tokens": released})
+                    self._finish(req, req.finish_reason)
+        return rec
+
+    def _release(self, req: Request) -> int:
+        """Give back everything a running request holds. The ONLY subtractor of R1."""
+        self.backend.remove_row(req)
+        if self.block_manager is not None:
+            self.block_manager.free(req.request_id)
+        released, req.reserved_tokens = req.reserved_tokens, 0
+        self.active_kv_reserved -= released
+        return released
+
+    # ---------------------------------------------------------------- T4
+    def decode_step(self) -> DecodeRecord:
+        """T4: one batched forward for all active rows; one new token each,
+        streamed at once. A row that hits EOS / stop / max_tokens gets its
+        finish reason here and is evicted by the next tick's T3.
+
+        After: every active row has exactly one more output token.
+        """
+        rec = DecodeRecord()
+        with self.lock:
+            rows = [r for r in self.active if r.finish_reason is None]
+            if not rows:
+                rec.kv_length = self.backend.kv_length
+                return rec
+            if self.block_manager is not None and self.backend.name == "paged":
+                for r in rows:  # room for the token about to be written
+                    self.block_manager.append_slots(r.request_id, r.num_tokens)
+            feed = [r.output_token_ids[-1] for r in rows]
+            rec.positions = {r.request_id: r.num_tokens - 1 for r in rows}
+            logits = self.backend.decode_step_batched(rows, feed)  # (B, V)
+            for req, row_logits in zip(rows, logits):
+                tok = self._append_token(req, row_logits)
+                rec.rows.append(req.request_id)
+                rec.tokens[req.request_id] = tok
+                if req.finish_reason is not None:
+                    rec.finished[req.request_id] = req.finish_reason.value
+            with self.queue_lock:
+                for req in rows:
+                    self.policy.on_tokens_processed(req, 0, 1)
+            rec.kv_length = self.backend.kv_length
+        return rec
+
+    # ================================================================= helpers
+    def _append_token(self, req: Request, logits) -> int:
+        """Sample, record, stream. Sets finish_reason when the request is done."""
+        tok = self.sampler.sample_row(logits, req.sampling, req.generator)
+        req.output_token_ids.append(tok)
+        self.tokens_generated += 1
+        now = time.perf_counter()
+        req.timing.token_times.append(now)
+        if req.timing.first_token is None:
+            req.timing.first_token = now
+        hit_stop_string = False
+        if req.handle is not None:
+            hit_stop_string = req.handle._on_token(len(req.output_token_ids) - 1, tok)
+        reason = FinishReason.STOP if hit_stop_string else req.stop_reason_after(tok)
+        if reason is not None:
+            req.finish_reason = reason
+        return tok
+
+    def _finish(self, req: Request, reason: FinishReason, rejection: Rejection | None = None,
+                error: str | None = None) -> None:
+        """Mark finished and send the client's final event."""
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.rejection = rejection or req.rejection
+        req.error = error or req.error
+        req.timing.finished = time.perf_counter()
+        with self.queue_lock:
+            self.requests.pop(req.request_id, None)
+            if req.timing.admitted is not None:  # it was admitted, so the policy saw it run
+                self.policy.on_request_finished(req)
+        self.finished_count += 1
+        if req.handle is not None:
+            out = RequestOutput.from_request(req, req.handle.text)
+            req.handle._finish(out, reason.value,
+                               rejection=rejection.to_dict() if rejection else None, error=error)
+
+    def fail_all(self, error: str) -> int:
+        """A forward pass raised: end every running request with an error and give
+        back what it held, so the engine keeps serving (and R1/R2 still hold)."""
+        n = 0
+        with self.lock:
+            for queue in (self.prefilling, self.active):
+                for req in list(queue):
+                    queue.remove(req)
+                    self._release(req)
+                    self._finish(req, FinishReason.ERROR, error=error)
+                    n += 1
+        return n
+
+    # ================================================================= inspection
+    @property
+    def pending(self) -> list[Request]:
+        with self.queue_lock:
+            return list(self.policy)
+
+    def has_work(self) -> bool:
+        return bool(len(self.policy) or self.prefilling or self.active)
+
+    def check_invariants(self) -> None:
+        """R1 + queue membership (Q) + backend bookkeeping (R3). Tests call this after every phase."""
+        with self.lock, self.queue_lock:
+            pending = list(self.policy)
+            expect = sum(r.kv_need for r in self.prefilling + self.active)
+            assert self.active_kv_reserved == expect, f"R1: reserved {self.active_kv_reserved} != {expect}"
+            assert all(r.reserved_tokens == r.kv_need for r in self.prefilling + self.active), "R1 per row"
+            ids = [r.request_id for r in pending + self.prefilling + self.active]
+            assert len(ids) == len(set(ids)), "a request sits in two queues"
+            assert set(ids) == set(self.requests), "Q: tracked requests != queued requests"
+            assert all(r.status is RequestStatus.PENDING for r in pending)
+            assert all(r.status is RequestStatus.PREFILLING for r in self.prefilling)
+            assert all(r.status is RequestStatus.ACTIVE for r in self.active)
+            assert all(0 <= r.num_computed_prompt_tokens < r.prompt_len for r in self.prefilling)
+            assert len(self.prefilling) + len(self.active) <= self.config.max_batch_size
+            assert self.backend.num_rows == len(self.active), "backend rows != active"
+            self.backend.check_invariants()
+            if self.block_manager is not None:
+                self.block_manager.check_invariants()
+                for r in self.prefilling + self.active:
+                    assert self.block_manager.has_seq(r.request_id)
+
+    def is_drained(self) -> bool:
+        """R2: nothing queued, nothing reserved, no block referenced."""
+        with self.lock, self.queue_lock:
+            blocks_idle = True
+            if self.block_manager is not None:
+                blocks_idle = self.block_manager.stats()["used"] == 0
+            return (not self.has_work() and self.active_kv_reserved == 0 and blocks_idle
+                    and self.backend.num_rows == 0 and not self.requests)
+
+    def _card(self, req: Request) -> dict[str, Any]:
+        return {"session": req.session_id, "priority": req.priority, "prompt_len": req.prompt_len,
+                "computed": req.num_computed_prompt_tokens, "cached": req.num_cached_tokens,
+                "output_len": len(req.output_token_ids), "max_tokens": req.max_tokens,
+                "status": req.status.value}
+
+    def _tick_record(self, admit, prefill, evict, decode, duration: float) -> TickRecord:
+        with self.queue_lock:
+            pending = list(self.policy)
+        reqs = pending + self.prefilling + self.active
+        return TickRecord(
+            tick=self.tick_count, admit=admit, prefill=prefill, evict=evict, decode=decode,
+            queues={"pending": [r.request_id for r in pending],
+                    "prefilling": [r.request_id for r in self.prefilling],
+                    "active": [r.request_id for r in self.active]},
+            active_kv_reserved=self.active_kv_reserved, duration_s=duration,
+            requests={r.request_id: self._card(r) for r in reqs},
+            backend=self.backend.snapshot(), policy=self.policy.stats(),
+            blocks=self.block_manager.snapshot() if self.block_manager is not None else None)
+
+    def stats(self) -> dict[str, Any]:
+        """SPEC G5: queues, reservation, gate counters, KV pressure, policy counters."""
+        with self.queue_lock:
+            pending, policy = len(self.policy), self.policy.stats()
+        s: dict[str, Any] = {
+            "ticks": self.tick_count,
+            "queues": {"pending": pending, "prefilling": len(self.prefilling),
+                       "active": len(self.active)},
+            "max_queue_size": self.config.max_queue_size,
+            "max_batch_size": self.config.max_batch_size,
+            "active_kv_reserved": self.active_kv_reserved,
+            "kv_budget_tokens": self.kv_budget_tokens,
+            "kv_admit_blocked": dict(self.kv_admit_blocked),
+            "rejected": dict(self.rejected),
+            "finished": self.finished_count,
+            "tokens_generated": self.tokens_generated,
+            "prompt_tokens_computed": self.prompt_tokens_computed,
+            "kv_length": self.backend.kv_length,
+            "backend": self.backend.name,
+            "prefill_mode": self.config.prefill_mode,
+            "policy": policy,
+        }
+        if self.block_manager is not None:
+            b = self.block_manager.stats()
+            s["blocks"] = b
+            s["kv_pressure"] = b["kv_pressure"]
+        else:
+            s["kv_pressure"] = self.active_kv_reserved / self.kv_budget_tokens
+        return s

@@ -1,0 +1,186 @@
+"""Streaming: getting each token to its client the moment it is sampled.
+
+The scheduler's tick thread *pushes* events into a `RequestHandle`; a client
+*pulls* them, either blocking (`for ev in handle`) or from asyncio
+(`async for ev in handle`), so the HTTP server's event loop never blocks on
+the engine.
+
+Text is detokenised incrementally. Byte-level BPE can split one character
+over several tokens (an emoji is often 2–4 tokens); decoding token by token
+would emit "\ufffd" garbage. So we decode a small window of recent tokens and
+only release text once it no longer ends in an incomplete character (the
+"prefix/read offset" method used by TGI and vLLM):
+
+    ids:   ... [ prefix_offset ............ read_offset ... new ]
+                 └── decoded before ──────┘ └─ only the new suffix is emitted ─┘
+
+Stop strings (SamplingParams.stop) are matched on this text; while a request
+runs, the last `len(longest stop) - 1` characters are held back, so a stop
+string split over two tokens never leaks to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class StreamEvent:
+    """One push to a client: a new token (with the text it completed) or the end."""
+
+    index: int  # position of token_id in the output; -1 for an event without a token
+    token_id: int | None
+    text: str  # text released by this event ("" while a character is incomplete)
+    finish_reason: str | None = None  # set on the final event
+    rejection: dict[str, Any] | None = None  # set when a gate refused the request (G6)
+    error: str | None = None
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, never splitting a character."""
+
+    def __init__(self, tokenizer, stop: list[str] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""  # all text decoded so far (up to any stop string)
+        self.emitted = 0  # characters of self.text already released
+        self.stop = list(stop or [])
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+
+    def add(self, token_id: int) -> str:
+        """Feed one token; return the text that can be released now."""
+        self.ids.append(token_id)
+        if self.tokenizer is None or self.stopped:
+            return ""
+        before = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        after = self._decode(self.ids[self.prefix_offset:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        for s in self.stop:  # a stop string ends the text right before it
+            at = self.text.find(s)
+            if at != -1:
+                self.text, self.stopped = self.text[:at], True
+        return self._release(final=self.stopped)
+
+    def flush(self) -> str:
+        """The request ended: release everything still held back."""
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        upto = len(self.text) if final else max(self.emitted, len(self.text) - self.holdback)
+        out = self.text[self.emitted:upto]
+        self.emitted = upto
+        return out
+
+
+class RequestHandle:
+    """A client's end of one request: iterate it (sync or async) for StreamEvents.
+
+    Thread-safety: `_push` is called from the engine's tick; readers may be any
+    number of threads or event loops. Events are kept, so a late reader still
+    sees everything from the first token.
+    """
+
+    def __init__(self, request_id: str, cancel_fn: Callable[[str], None] | None = None,
+                 tokenizer=None, stop: list[str] | None = None) -> None:
+        self.request_id = request_id
+        self._cancel_fn = cancel_fn
+        self.detok = IncrementalDetokenizer(tokenizer, stop)
+        self._events: list[StreamEvent] = []
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self.finished = False
+        self.output = None  # RequestOutput, set with the final event
+
+    # --- producer side (the engine) --------------------------------------------------
+    def _push(self, ev: StreamEvent, output=None) -> None:
+        with self._cond:
+            self._events.append(ev)
+            if ev.finish_reason is not None:
+                self.finished, self.output = True, output
+            self._cond.notify_all()
+            waiters = list(self._waiters)
+        for loop, event in waiters:  # wake async readers on their own loops
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # that loop is closed; its reader is gone
+                pass
+
+    def _on_token(self, index: int, token_id: int) -> bool:
+        """Stream one sampled token now; True when it completed a stop string."""
+        self._push(StreamEvent(index, token_id, self.detok.add(token_id)))
+        return self.detok.stopped
+
+    def _finish(self, output, finish_reason: str, rejection=None, error=None) -> None:
+        """The final event: remaining held-back text and why the request ended."""
+        self._push(StreamEvent(-1, None, self.detok.flush(), finish_reason, rejection, error),
+                   output)
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
+
+    # --- consumer side ----------------------------------------------------------------
+    def cancel(self) -> None:
+        """Ask the engine to stop this request (evicted on the next tick; H3)."""
+        if self._cancel_fn is not None and not self.finished:
+            self._cancel_fn(self.request_id)
+
+    def __iter__(self) -> Iterator[StreamEvent]:
+        i = 0
+        while True:
+            with self._cond:
+                while i >= len(self._events):
+                    self._cond.wait()
+                ev = self._events[i]
+            i += 1
+            yield ev
+            if ev.finish_reason is not None:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[StreamEvent]:
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        with self._cond:
+            self._waiters.append((loop, wake))
+        try:
+            i = 0
+            while True:
+                with self._cond:
+                    ready = self._events[i:]
+                    if not ready:
+                        wake.clear()
+                if not ready:
+                    await wake.wait()
+                    continue
+                for ev in ready:
+                    i += 1
+                    yield ev
+                    if ev.finish_reason is not None:
+                        return
+        finally:
+            with self._cond:
+                self._waiters.remove((loop, wake))
+
+    def result(self, timeout: float | None = None):
+        """Block until the request finishes; return its RequestOutput."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.finished, timeout=timeout):
+                raise TimeoutError(f"request {self.request_id} did not finish in {timeout} s")
+            return self.output
+
+    @property
+    def events(self) -> list[StreamEvent]:
+        with self._cond:
+            return list(self._events)
