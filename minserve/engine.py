@@ -61,19 +61,23 @@ class Engine:
             config.max_batch_size, min(self.max_model_len, DEFAULT_MAX_CONTEXT_FOR_BLOCKS), bs)
         self.num_blocks = num_blocks
         kv_budget = config.kv_budget_tokens or num_blocks * bs
-        self.block_manager, storage = None, None
+        # All three gates always run (SPEC G), so there is always a block manager. The
+        # physical block storage exists when something reads it back: the paged
+        # backend (it IS its KV), or the padded backend with prefix caching on.
+        from .kv_cache import BlockManager
+
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        storage = None
         if config.backend == "paged" or config.enable_prefix_caching:
             from .backends.kv_storage import KVBlockStorage
-            from .kv_cache import BlockManager
 
-            self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
             storage = KVBlockStorage.for_model(model, num_blocks, bs)
         if config.backend == "paged":
             from .backends.paged import PagedBackend
 
             backend = PagedBackend(model, self.block_manager, storage)
         else:
-            backend = PaddedBackend(model, storage=storage if config.enable_prefix_caching else None)
+            backend = PaddedBackend(model, storage=storage)
             backend.block_manager = self.block_manager
         policy = make_policy(config.policy, config.fair_w_in, config.fair_w_out)
         self.scheduler = Scheduler(config, backend, policy, kv_budget, self.block_manager)

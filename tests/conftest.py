@@ -1,0 +1,57 @@
+"""Shared fixtures: a tiny random Llama for fast tests, the real SmolLM2 for marked ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minserve import Engine, EngineConfig
+from minserve.models import tiny_llama
+
+PHASES = ("admit_pending", "advance_prefill_chunk", "evict_finished", "decode_step")
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """2 layers, hidden 64, GQA 4/2 heads, vocab 256; EOS id 0 so some rows stop early."""
+    return tiny_llama(eos_token_id=0)
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """The embedded SmolLM2-135M-Instruct, fp32, loaded once per test session."""
+    from minserve.models import load_model
+
+    torch.manual_seed(0)
+    return load_model(None, "float32", "cpu")
+
+
+def make_engine(model, tokenizer=None, **cfg) -> Engine:
+    cfg.setdefault("device", "cpu")
+    return Engine(EngineConfig(**cfg), model=model, tokenizer=tokenizer)
+
+
+def run_checked(engine: Engine, max_ticks: int = 10_000, on_phase=None) -> list[dict]:
+    """Run ticks phase by phase until idle, checking the invariants after every phase."""
+    s = engine.scheduler
+    records = []
+    for _ in range(max_ticks):
+        if not s.has_work():
+            break
+        tick = {}
+        for name in PHASES:
+            tick[name] = getattr(s, name)()
+            s.check_invariants()
+            if on_phase is not None:
+                on_phase(name, tick[name])
+        s.tick_count += 1
+        records.append(tick)
+    assert not s.has_work(), "did not drain"
+    return records
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """The oracle: Hugging Face generate on this prompt alone, greedy."""
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()

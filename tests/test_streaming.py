@@ -1,0 +1,97 @@
+"""Streaming (issue 2 §8): tokens reach the handle as they are sampled; text never splits a character."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from minserve import SamplingParams
+from minserve.streaming import IncrementalDetokenizer, RequestHandle, StreamEvent
+
+from .conftest import make_engine
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from minserve.models import embedded_model_dir
+
+    return AutoTokenizer.from_pretrained(embedded_model_dir())
+
+
+def test_multibyte_characters_are_never_split_across_deltas(tokenizer):
+    text = "Café 🍕 → naïve 日本語 ok 🎉🎉"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(text.split()), "some characters must span several tokens"
+    det = IncrementalDetokenizer(tokenizer)
+    deltas = [det.add(t) for t in ids] + [det.flush()]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+    assert any(d == "" for d in deltas), "an incomplete character is held back"
+
+
+def test_stop_string_split_over_tokens_never_leaks(tokenizer):
+    text = "alpha beta STOPHERE gamma"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    det = IncrementalDetokenizer(tokenizer, stop=["STOPHERE"])
+    released = ""
+    for t in ids:
+        released += det.add(t)
+        if det.stopped:
+            break
+    released += det.flush()
+    assert det.stopped and released == "alpha beta "
+    assert "STOP" not in released
+
+
+def test_stop_string_ends_request_with_reason_stop(real_model):
+    model, tok = real_model
+    engine = make_engine(model, tok, max_batch_size=2)
+    out = engine.generate("1, 2, 3, 4,", SamplingParams(max_tokens=20, stop=[" 7"]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == " 5, 6,"
+
+
+def test_events_arrive_while_the_request_runs_sync_iterator(tiny_model):
+    engine = make_engine(tiny_model)
+    h = engine.submit([1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True))
+    seen = []
+    engine.step()  # admit + prefill + first decode: two tokens out already
+    assert [e.index for e in h.events] == [0, 1] and not h.finished
+    t = threading.Thread(target=lambda: seen.extend(h))  # a reader in another thread
+    t.start()
+    while engine.scheduler.has_work():
+        engine.step()
+    t.join(5)
+    assert [e.index for e in seen[:-1]] == list(range(6))
+    assert seen[-1].finish_reason == "length" and seen[-1].token_id is None
+    assert [e.token_id for e in seen[:-1]] == h.output.token_ids
+
+
+def test_async_iterator_receives_every_event_from_a_worker_thread(tiny_model):
+    engine = make_engine(tiny_model, max_batch_size=4).start()
+    try:
+        async def consume(prompt):
+            h = engine.submit(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+            return [ev async for ev in h], h
+
+        async def main():
+            return await asyncio.gather(*(consume([i + 1] * (i + 2)) for i in range(5)))
+
+        for events, h in asyncio.run(main()):
+            assert [e.index for e in events[:-1]] == list(range(8))
+            assert events[-1].finish_reason == "length"
+            assert [e.token_id for e in events[:-1]] == h.output.token_ids
+    finally:
+        engine.stop()
+
+
+def test_handle_keeps_events_for_a_late_reader():
+    h = RequestHandle("r")
+    h._push(StreamEvent(0, 5, "a"))
+    h._push(StreamEvent(-1, None, "", finish_reason="stop"), output="out")
+    assert [e.token_id for e in h] == [5, None]
+    assert h.result(timeout=1) == "out"
