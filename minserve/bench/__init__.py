@@ -1,0 +1,1 @@
+"""Benchmarks: they measure and print figures; tests check behaviour (never timings)."""
