@@ -42,62 +42,81 @@ from .request import Request
 class FairPolicy(Policy):
     """P2: least-served session first, with the VTC counter lift (P4).
 
-    **The lift (P4).** A session that was away has a low counter, and would
-    otherwise be let in ahead of everyone until it "caught up" (a burst that
-    starves the others). A brand-new session at 0 would do the same. So when
-    a request arrives for a session that has nothing waiting, its counter is
-    raised to the least counter among the sessions that do have requests
-    waiting:
+    **The queue's clock.** Call V the least counter among the sessions that
+    have a request waiting. V is the queue's virtual clock: the amount of
+    service "everyone still waiting has had at least". The algorithm keeps
+    every waiting session's counter in [V, V + U] (U below), and V never goes
+    backwards. Both halves are what the lift is for.
 
-        counter[s] = max(counter[s], min(counter[r] for r waiting))
+    **The lift (P4).** A session that was away has a low counter. It would be
+    let in ahead of everyone until it "caught up", a burst that starves the
+    others. A brand-new session at 0 would do the same. So when a request
+    arrives for a session that has nothing waiting, its counter is raised to
+    the clock:
 
-    `max`, not `=`, so the lift never lowers a counter. A session that was
+        counter[s] = max(counter[s], V)
+
+    `max`, not `=`, so the lift never lowers a counter, and a session that was
     just served a lot keeps its debt. The newcomer ties with the least-served
     waiting session, so it is neither starved nor given a burst.
 
-    **What counts as "queued" for the lift (design choice).** Only requests
-    that *wait* in this queue, not rows already running. This is the paper's
-    Algorithm, and what its reference code does (`VTCReqQueue.append`
-    looks at clients whose waiting list is non-empty). The reason: the
+    **What counts as "queued" (design choice).** Only requests that *wait* in
+    this queue, not rows already running. The paper's reference code does the
+    same (`VTCReqQueue.append` in Ying1123/VTC-artifact). The
     counters order only the requests that compete for admission, which are
-    the waiting ones. A session whose requests all run has a counter that can
-    lag far behind the waiting sessions (it was admitted when it was lowest).
-    Lifting a newcomer to that counter would give the newcomer exactly the
-    burst the lift is there to prevent. The same reasoning leads to one
-    refinement that matters only when priorities are mixed. Both "has nothing
-    waiting" and the minimum look only at waiting requests of the *arriving
-    request's priority tier*, because those are the requests it competes
-    with. Lifting a high-priority newcomer to the counter of a low-priority
-    session that waits behind the whole high tier would give it a burst
-    inside the high tier. With a single tier this is exactly the paper's rule.
-    If nothing else waits in the tier, the counter is left as it is: there is
-    nobody to be unfair to.
+    the waiting ones. A session whose requests all run can have a counter far
+    behind the waiting sessions (it was admitted when it was lowest).
+    Lifting a newcomer to that counter would give it exactly the burst the
+    lift is there to prevent.
 
-    **The fairness bound (P5).** The paper proves (its Theorem on backlogged
-    clients): if sessions f and g both have requests waiting throughout
-    [t1, t2), the service each receives in that window, W = the same weighted
-    token count the counters add up, differs by at most
+    **When nobody waits (minserve's choice).** The reference code then leaves
+    the counter alone. But then the clock can jump back: a newcomer at 0 on
+    an idle queue sets V = 0, and a session that returns later with its
+    counter near the old V must wait while the newcomer catches up, however
+    long ago the old V was reached. In the simulation in
+    `tests/test_policies.py` two waiting sessions drifted up to 21*U apart
+    this way. So when the last waiting request of a tier leaves, its session's
+    counter (which *was* V at that moment) is remembered as the tier's clock,
+    and a request arriving on an empty tier is lifted to that.
+
+    **Priority tiers.** V is kept per priority tier: "nothing waiting", the
+    least counter and the remembered clock all look only at requests of the
+    arriving request's priority, because those are what it competes with.
+    Lifting a high-priority newcomer to the counter of a low-priority session
+    stuck behind the whole high tier would give it a burst inside the high
+    tier. With one tier this is the plain rule above.
+
+    **The fairness bound (P5).** Sheng et al. prove, for two clients f and g
+    that both have requests waiting throughout [t1, t2), with W the service
+    received in the window (the weighted tokens the counters add up):
 
         |W_f(t1, t2) - W_g(t1, t2)| <= 2 * U,   U = max(w_in * L_input, w_out * M)
 
-    where L_input is the longest prompt and M the most tokens a running batch
-    can hold (the KV capacity). The proof works in two steps. (1) At any moment
-    when both wait, |counter_f - counter_g| <= U. f was last admitted when
-    counter_f <= counter_g. Since then f has grown only by that request's
-    prompt plus the remaining output of f's rows in the batch, all of which
-    fit in M tokens, so the growth is at most w_in*p + w_out*(M - p) <= w_out*M
-    when w_in <= w_out. (2) No lift happens to a session that is waiting, so
-    counters move exactly with service, and the window difference is at most
-    U at each end, 2U in all. (2) holds because a session with requests
-    waiting in a tier is never lifted in that tier. The 2x is tight. Note from working this out:
-    with w_in > w_out, step (1) only gives w_in*L_input + w_out*(M - L_input),
-    which is more than U. `tests/test_policies.py` checks both steps on random
-    traces (w_in <= w_out) in a small simulated server. The paper's text was
-    read only second-hand, through summaries quoting this form.
+    L_input is the longest prompt and M the most tokens a running batch can
+    hold (the KV capacity). In minserve M is the G2 budget `kv_budget_tokens`,
+    or max_batch_size rows of the largest request if that is smaller. The
+    proof has two steps.
 
-    Cost: `peek_next` scans the waiting list, O(n) in the queue length. That is
-    fine for the queue sizes a teaching engine sees, and it means the head is
-    always computed from the current counters, with no index to keep in sync.
+    (1) Each waiting session's counter lies in [V, V + U], so two waiting
+    sessions differ by at most U. f's counter last got its value either when
+    f was admitted (then it was the least, = V) or when it was lifted (= V).
+    Since then it has grown only by f's rows in the batch: one prompt plus
+    their remaining output. These rows fit in M tokens, so the growth is at
+    most w_in*p + w_out*(M - p) <= w_out*M when w_in <= w_out.
+
+    (2) A session with a request waiting is never lifted, so over the window
+    its counter moves exactly with its service. The difference is at most U
+    at each end, 2U in all.
+
+    I did not read the theorem's own text: the form above comes from
+    summaries that quote it. Working it through turned up one caveat: with
+    w_in > w_out, step (1) only gives w_in*L_input + w_out*(M - L_input),
+    which is more than U. `tests/test_policies.py` checks (1) and the bound
+    on random traces in a small simulated server.
+
+    Cost: `peek_next` scans the waiting list, O(n) in the queue length. That
+    is fine for the queue sizes a teaching engine sees, and the head is always
+    computed from the current counters, with no index to keep in sync.
     """
 
     name = "fair"
@@ -115,6 +134,7 @@ class FairPolicy(Policy):
         self.served: dict[str, dict[str, int]] = {}  # session -> real tokens, for stats
         self._waiting: list[Request] = []  # in arrival order; the key decides the head
         self._peeked: Request | None = None  # what the last peek_next returned
+        self._clock: dict[int, float] = {}  # tier -> V when its waiting list last emptied
 
     def key(self, req: Request) -> tuple[int, float, int]:
         """P2: higher priority first, then the least-served session, then FIFO."""
@@ -122,14 +142,16 @@ class FairPolicy(Policy):
 
     # --- hooks ----------------------------------------------------------------------------
     def on_request_arrived(self, req: Request) -> None:
-        """Enqueue `req`; lift its session's counter if it had nothing waiting (P4)."""
-        s = req.session_id
+        """Enqueue `req`; lift its session's counter to the clock if it had nothing waiting (P4)."""
+        s, tier = req.session_id, req.priority
         self.counters.setdefault(s, 0.0)
         self.served.setdefault(s, {"prompt_tokens": 0, "output_tokens": 0})
-        # The sessions `req` competes with: those waiting in its priority tier.
-        rivals = {r.session_id for r in self._waiting if r.priority == req.priority}
-        if rivals and s not in rivals:
-            self.counters[s] = max(self.counters[s], min(self.counters[r] for r in rivals))
+        # the sessions `req` competes with: those waiting in its priority tier
+        rivals = {r.session_id for r in self._waiting if r.priority == tier}
+        if s not in rivals:
+            clock = min((self.counters[r] for r in rivals), default=self._clock.get(tier))
+            if clock is not None:  # None: this tier has never had anyone waiting
+                self.counters[s] = max(self.counters[s], clock)
         self._waiting.append(req)
 
     def peek_next(self) -> Request | None:
@@ -154,6 +176,11 @@ class FairPolicy(Policy):
         del self._waiting[i]
         if self._peeked is req:
             self._peeked = None
+        if not any(r.priority == req.priority for r in self._waiting):
+            # The tier is empty now. Its last waiting session held the least
+            # counter, so that counter is the clock V. Remember it for the next
+            # arrival (see "When nobody waits").
+            self._clock[req.priority] = self.counters.get(req.session_id, 0.0)
 
     def on_tokens_processed(self, req: Request, prompt_tokens: int, output_tokens: int) -> None:
         """P3: charge the session for the work just done on `req`."""
@@ -167,10 +194,10 @@ class FairPolicy(Policy):
     def on_request_finished(self, req: Request) -> None:
         """Cleanup. The session's counter is deliberately *kept*.
 
-        If a returning session restarted at 0 it would get the catch-up burst
-        the lift exists to prevent. The lift can only raise a counter, so it
-        cannot repair a counter that was thrown away when the session returns
-        while nobody else waits. The cost is one float per session ever seen.
+        Keeping it is what makes the lift a `max`: a session that just took a
+        lot of service and comes back keeps its debt. If the counter were
+        dropped, a returning session would restart at the clock V, and that
+        erases the debt. The cost is one float per session ever seen.
         """
         if any(r is req for r in self._waiting):  # finished while still waiting
             self.remove(req)

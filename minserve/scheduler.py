@@ -197,16 +197,17 @@ class Scheduler:
                 self.prompt_tokens_computed += end - start
                 if budget is not None:
                     budget -= end - start
-                with self.queue_lock:
-                    self.policy.on_tokens_processed(req, end - start, 0)
+                final = end == req.prompt_len
                 chunk = {"request_id": req.request_id, "start": start, "end": end,
-                         "final": end == req.prompt_len, "first_token": None}
-                if end == req.prompt_len:
+                         "final": final, "first_token": None}
+                if final:
                     if self.block_manager is not None:
                         self.block_manager.mark_computed(req.request_id, req.prompt_token_ids, end)
                     chunk["first_token"] = self._append_token(req, logits)
                     self._promote_to_decode(req)
                     rec.promoted.append(req.request_id)
+                with self.queue_lock:  # P3: the chunk's prompt tokens (+ the first output token)
+                    self.policy.on_tokens_processed(req, end - start, 1 if final else 0)
                 rec.chunks.append(chunk)
         return rec
 

@@ -1,0 +1,488 @@
+"""Policies (SPEC P): who is admitted next, FCFS (P1) and Fair / VTC (P2-P5).
+
+No model here. The policies are pure bookkeeping, so the tests build Requests
+directly. The fairness bound (P5) is checked in a small simulated server
+(`simulate`) that calls the hooks the way the scheduler does.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minserve.fair import FairPolicy
+from minserve.policies import FCFSPolicy, Policy, make_policy
+from minserve.request import Request
+from minserve.sampling import SamplingParams
+
+
+def make_req(i: int, session: str = "default", prompt: int = 4, out: int = 4,
+             priority: int = 0) -> Request:
+    return Request(request_id=f"{session}-{i}", prompt_token_ids=[1] * prompt,
+                   sampling=SamplingParams(max_tokens=out), arrival_seq=i,
+                   session_id=session, priority=priority)
+
+
+def admit(policy: Policy) -> Request:
+    """What the scheduler does for one admission: peek, pick, charge the prefill."""
+    head = policy.peek_next()
+    req = policy.pick_next()
+    assert req is head
+    policy.on_tokens_processed(req, req.prompt_len, 0)
+    return req
+
+
+def serve(policy: Policy, req: Request) -> None:
+    """Decode `req` to its max_tokens, one token at a time, then finish it."""
+    for _ in range(req.max_tokens):
+        policy.on_tokens_processed(req, 0, 1)
+    policy.on_request_finished(req)
+
+
+# ============================================================================ FCFS (P1)
+def test_fcfs_admits_in_arrival_order_within_a_priority():
+    p = FCFSPolicy()
+    reqs = [make_req(i, session=s) for i, s in enumerate("abacab")]
+    for r in reversed(reqs):  # the order of the calls must not matter, arrival_seq does
+        p.on_request_arrived(r)
+    assert [admit(p) for _ in reqs] == reqs
+
+
+def test_fcfs_higher_priority_goes_first_then_arrival_order():
+    p = FCFSPolicy()
+    low, high_late, high_early = make_req(0), make_req(2, priority=1), make_req(1, priority=1)
+    for r in (low, high_late, high_early):
+        p.on_request_arrived(r)
+    assert list(p) == [high_early, high_late, low]
+    assert [admit(p) for _ in range(3)] == [high_early, high_late, low]
+
+
+def test_fcfs_remove_keeps_the_order_of_the_rest():
+    p = FCFSPolicy()
+    reqs = [make_req(i) for i in range(5)]
+    for r in reqs:
+        p.on_request_arrived(r)
+    p.remove(reqs[2])
+    p.remove(reqs[0])
+    assert list(p) == [reqs[1], reqs[3], reqs[4]] and len(p) == 3
+
+
+def test_fcfs_peek_is_stable_and_pick_returns_the_peeked_request():
+    p = FCFSPolicy()
+    for r in (make_req(0), make_req(1)):
+        p.on_request_arrived(r)
+    head = p.peek_next()
+    assert p.peek_next() is head and len(p) == 2  # a soft-held head stays the head (G4)
+    assert p.pick_next() is head and len(p) == 1
+    p.pick_next()
+    assert p.peek_next() is None
+
+
+@given(st.lists(st.tuples(st.integers(0, 2), st.sampled_from("abc")), min_size=1, max_size=30))
+def test_fcfs_drains_in_priority_then_arrival_order(spec):
+    p = FCFSPolicy()
+    reqs = [make_req(i, session=s, priority=pr) for i, (pr, s) in enumerate(spec)]
+    for r in reqs:
+        p.on_request_arrived(r)
+    drained = [admit(p) for _ in reqs]
+    assert drained == sorted(reqs, key=lambda r: (-r.priority, r.arrival_seq))
+
+
+# ============================================================================ Fair (P2-P4)
+def test_fair_light_session_is_admitted_ahead_of_a_heavy_backlog():
+    """P2: the point of VTC. Under FCFS the light request would be 21st."""
+    p = FairPolicy()
+    heavy = [make_req(i, "heavy") for i in range(20)]
+    light = make_req(20, "light")
+    for r in heavy + [light]:
+        p.on_request_arrived(r)
+    assert admit(p) is heavy[0]  # counters tie at 0, the older request goes first
+    # heavy has now been charged for its prompt: light is the least served
+    assert p.stats()["counters"]["heavy"] > p.stats()["counters"]["light"]
+    assert admit(p) is light
+
+
+def test_fair_light_session_arriving_after_heavy_was_served_waits_at_most_one_request():
+    p = FairPolicy()
+    heavy = [make_req(i, "heavy") for i in range(20)]
+    for r in heavy:
+        p.on_request_arrived(r)
+    for _ in range(3):
+        serve(p, admit(p))
+    light = make_req(20, "light")
+    p.on_request_arrived(light)  # lifted to heavy's counter: a tie, so one more heavy first
+    order = [admit(p) for _ in range(3)]
+    assert light in order[:2]
+
+
+def test_fair_newcomer_counter_is_lifted_to_the_least_waiting_counter_not_zero():
+    p = FairPolicy(w_in=1, w_out=2)
+    a, b, idle = make_req(0, "a", prompt=100), make_req(1, "b", prompt=50), make_req(2, "idle")
+    for r in (a, b, idle, make_req(3, "a"), make_req(4, "b")):
+        p.on_request_arrived(r)
+    # a, b and idle each get one request admitted and charged; a and b keep one
+    # waiting, idle now has only running work (and a low counter)
+    for r in (a, b, idle):
+        p.remove(r)
+        p.on_tokens_processed(r, r.prompt_len, 0)
+    assert p.stats()["counters"] == {"a": 100, "b": 50, "idle": 4}
+    p.on_request_arrived(make_req(5, "new"))
+    # lifted to min over *waiting* sessions (b: 50), not 0, and not to the counter
+    # of "idle", which has only running work (that would hand "new" a burst)
+    assert p.stats()["counters"]["new"] == 50
+
+
+def test_fair_newcomer_gets_no_catch_up_burst():
+    """P4: after one served request the newcomer is no longer ahead of everyone."""
+    p = FairPolicy()
+    olds = [make_req(i, s) for i, s in enumerate("ab" * 10)]
+    for r in olds:
+        p.on_request_arrived(r)
+    for _ in range(8):
+        serve(p, admit(p))
+    new = [make_req(20 + i, "new") for i in range(5)]
+    for r in new:
+        p.on_request_arrived(r)
+    c = p.stats()["counters"]
+    assert c["new"] == min(c["a"], c["b"]) > 0
+    order = [admit(p).session_id for _ in range(6)]
+    # without the lift (counter 0) all five "new" requests would go first; with
+    # it, "new" ties with the least served (older requests win the tie) and then
+    # takes turns: its first request is in the first round, and no more than its share
+    assert "new" in order[:3] and order.count("new") <= 2
+
+
+def test_fair_returning_session_keeps_a_higher_counter():
+    """P4 is a max: coming back never erases service already received."""
+    p = FairPolicy()
+    a0, b0 = make_req(0, "a", prompt=200), make_req(1, "b")
+    p.on_request_arrived(a0)
+    p.on_request_arrived(b0)
+    serve(p, admit(p))  # a: 200 + 2*4 = 208, a's queue is now empty
+    p.on_request_arrived(make_req(2, "a"))  # returns while b (counter 0) waits
+    assert p.stats()["counters"]["a"] == 208
+    assert admit(p) is b0
+
+
+def test_fair_returning_idle_session_is_lifted_up():
+    p = FairPolicy()
+    a0 = make_req(0, "a")
+    p.on_request_arrived(a0)
+    serve(p, admit(p))  # a: 4 + 8 = 12, then a goes quiet
+    bs = [make_req(1 + i, "b", prompt=50) for i in range(4)]
+    for r in bs:
+        p.on_request_arrived(r)
+    for _ in range(2):
+        serve(p, admit(p))  # b: 2 * (50 + 8) = 116, still waiting
+    p.on_request_arrived(make_req(9, "a"))
+    assert p.stats()["counters"]["a"] == 116
+
+
+def test_fair_arrival_on_an_empty_queue_is_lifted_to_where_the_queue_left_off():
+    """P4 when nobody waits: the clock V is remembered, so it never runs backwards."""
+    p = FairPolicy()
+    a = [make_req(i, "a") for i in range(3)]
+    for r in a:
+        p.on_request_arrived(r)
+    for _ in a:
+        serve(p, admit(p))  # each: 4 + 2*4 = 12; a had 24 when its last request left
+    assert len(p) == 0 and p.stats()["counters"]["a"] == 36
+    p.on_request_arrived(make_req(3, "new"))  # nobody waits
+    assert p.stats()["counters"]["new"] == 24  # not 0, and not a's 36 either
+    p.on_request_arrived(make_req(4, "a"))
+    p.on_request_arrived(make_req(5, "new"))
+    # "new" is ahead by a's last request only. At 0 it would be ahead by all three.
+    assert [admit(p).session_id for _ in range(3)][:2] == ["new", "new"]
+
+
+def test_fair_first_arrival_in_a_fresh_tier_keeps_its_counter():
+    p = FairPolicy()
+    p.on_request_arrived(make_req(0, "a", prompt=30))
+    serve(p, admit(p))
+    p.on_request_arrived(make_req(1, "b", priority=1))  # tier 1 never had anyone waiting
+    assert p.stats()["counters"] == {"a": 38, "b": 0}
+
+
+def test_fair_priority_tier_beats_counters():
+    p = FairPolicy()
+    rich = make_req(0, "rich", prompt=500)
+    p.on_request_arrived(rich)
+    serve(p, admit(p))  # rich has been served a lot
+    poor, rich_urgent = make_req(1, "poor"), make_req(2, "rich", priority=1)
+    p.on_request_arrived(poor)
+    p.on_request_arrived(rich_urgent)
+    assert p.stats()["counters"]["rich"] > p.stats()["counters"]["poor"]
+    assert admit(p) is rich_urgent and admit(p) is poor
+
+
+def test_fair_lift_looks_only_at_the_arriving_requests_priority_tier():
+    p = FairPolicy()
+    hi = [make_req(i, "hi", prompt=100, priority=1) for i in range(3)]
+    lo = make_req(3, "lo", priority=0)
+    for r in hi + [lo]:
+        p.on_request_arrived(r)
+    serve(p, admit(p))  # hi: 100 + 8
+    p.on_request_arrived(make_req(4, "new", priority=1))
+    # competes with "hi" (108), not with "lo" (0), which waits behind the whole tier
+    assert p.stats()["counters"]["new"] == 108
+
+
+def test_fair_within_a_session_requests_go_fifo():
+    p = FairPolicy()
+    reqs = [make_req(i, s) for i, s in enumerate("aabbbaab")]
+    for r in reqs:
+        p.on_request_arrived(r)
+    drained = [admit(p) for _ in reqs]
+    for s in "ab":
+        seqs = [r.arrival_seq for r in drained if r.session_id == s]
+        assert seqs == sorted(seqs)
+
+
+def test_fair_peek_is_stable_between_hooks_and_pick_returns_the_peeked_request():
+    p = FairPolicy()
+    for r in (make_req(0, "a"), make_req(1, "b"), make_req(2, "a")):
+        p.on_request_arrived(r)
+    head = p.peek_next()
+    assert all(p.peek_next() is head for _ in range(3))  # a soft-held head stays (G4)
+    assert p.pick_next() is head
+    # pick returns what peek returned, even if a charge reorders in between
+    nxt = p.peek_next()
+    p.on_tokens_processed(nxt, 1000, 0)
+    assert p.pick_next() is nxt
+
+
+def test_fair_iter_lists_waiting_requests_in_pick_order():
+    p = FairPolicy()
+    for i, s in enumerate("abcabc"):
+        p.on_request_arrived(make_req(i, s, prompt=1 + i))
+    p.on_tokens_processed(make_req(99, "b"), 10, 0)  # b served more: its requests go last
+    listed = list(p)
+    assert [r.session_id for r in listed] == ["a", "c", "a", "c", "b", "b"]
+    assert [p.pick_next() for _ in range(len(p))] == listed  # nothing charged in between
+
+
+def test_fair_remove_takes_out_exactly_that_request():
+    p = FairPolicy()
+    reqs = [make_req(i, "a") for i in range(3)] + [make_req(3, "b")]
+    for r in reqs:
+        p.on_request_arrived(r)
+    head = p.peek_next()
+    p.remove(head)  # e.g. cancelled while it was the (soft-held) head
+    assert head not in list(p) and len(p) == 3
+    assert p.stats()["queued"] == {"a": 2, "b": 1}
+    assert p.pick_next() is not head
+
+
+def test_fair_charges_w_in_per_prompt_token_and_w_out_per_output_token():
+    """P3, with non-default weights so a swapped weight shows."""
+    p = FairPolicy(w_in=0.5, w_out=3.0)
+    r = make_req(0, "a", prompt=10, out=4)
+    p.on_request_arrived(r)
+    admit(p)
+    serve(p, r)
+    st_ = p.stats()
+    assert st_["counters"]["a"] == 0.5 * 10 + 3.0 * 4
+    assert st_["served"]["a"] == {"prompt_tokens": 10, "output_tokens": 4}
+    assert (st_["name"], st_["w_in"], st_["w_out"], st_["queued"]) == ("fair", 0.5, 3.0, {})
+
+
+def test_fair_finished_session_keeps_its_counter():
+    p = FairPolicy()
+    r = make_req(0, "a", prompt=7)
+    p.on_request_arrived(r)
+    serve(p, admit(p))
+    assert p.stats()["counters"] == {"a": 7 + 2 * 4}
+
+
+def test_make_policy_builds_fair_with_the_configured_weights():
+    p = make_policy("fair", w_in=2.0, w_out=5.0)
+    assert isinstance(p, FairPolicy) and (p.w_in, p.w_out) == (2.0, 5.0)
+    assert isinstance(make_policy("fcfs"), FCFSPolicy)
+
+
+@pytest.mark.parametrize("w_in, w_out", [(-1, 2), (1, float("nan")), (0, 0)])
+def test_fair_rejects_weights_that_cannot_count_service(w_in, w_out):
+    with pytest.raises(ValueError, match="FairPolicy"):
+        FairPolicy(w_in=w_in, w_out=w_out)
+
+
+# ============================================================================ P5: the bound
+@dataclass
+class SimResult:
+    """Snapshots after every charge: weighted service W, policy counters, who waits."""
+
+    service: list[dict[str, float]] = field(default_factory=list)
+    counters: list[dict[str, float]] = field(default_factory=list)
+    waiting: list[set[str]] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
+
+
+def simulate(policy: Policy, arrivals: list[tuple[int, Request]], max_batch_size: int,
+             kv_budget: int, w_in: float, w_out: float) -> SimResult:
+    """A server in miniature, with the scheduler's phase order and its hooks.
+
+    Each tick: requests arrive; admit while a slot is free and the head's
+    `prompt_len + max_tokens` fits in what is left of `kv_budget` (else the head
+    soft-holds, G2/G4), charging the whole prompt at admission (monolithic
+    prefill); every running row decodes one token (charged 1 output token);
+    rows that reached max_tokens leave (on_request_finished). W is the
+    service measured here, independent of the policy.
+    """
+    res = SimResult()
+    service: dict[str, float] = defaultdict(float)
+    queued: dict[str, int] = defaultdict(int)
+    running: list[list] = []  # [request, tokens decoded]
+    reserved, tick, todo = 0, 0, sorted(arrivals, key=lambda a: (a[0], a[1].arrival_seq))
+
+    def snapshot() -> None:
+        res.service.append(dict(service))
+        res.counters.append(dict(getattr(policy, "counters", {})))
+        res.waiting.append({s for s, n in queued.items() if n})
+
+    while todo or len(policy) or running:
+        while todo and todo[0][0] <= tick:
+            req = todo.pop(0)[1]
+            policy.on_request_arrived(req)
+            queued[req.session_id] += 1
+        snapshot()
+        while len(running) < max_batch_size and (head := policy.peek_next()) is not None:
+            if reserved + head.kv_need > kv_budget:
+                break  # soft hold: the head keeps its place
+            assert policy.pick_next() is head
+            queued[head.session_id] -= 1
+            reserved += head.kv_need
+            running.append([head, 0])
+            res.admitted.append(head)
+            policy.on_tokens_processed(head, head.prompt_len, 0)
+            service[head.session_id] += w_in * head.prompt_len
+            snapshot()
+        for row in running:
+            row[1] += 1
+            policy.on_tokens_processed(row[0], 0, 1)
+            service[row[0].session_id] += w_out
+            snapshot()
+        for row in [row for row in running if row[1] == row[0].max_tokens]:
+            running.remove(row)
+            reserved -= row[0].kv_need
+            policy.on_request_finished(row[0])
+        tick += 1
+        assert tick < 100_000, "simulation does not terminate"
+    return res
+
+
+def backlogged_gaps(res: SimResult, a: str, b: str) -> tuple[float, float]:
+    """Over the stretches of snapshots where both a and b have requests waiting:
+    (largest |counter_a - counter_b|, largest service difference over a window).
+
+    The window difference |W_a(t1,t2) - W_b(t1,t2)| = |D(t2) - D(t1)| with
+    D = W_a - W_b, so in one stretch its maximum is max(D) - min(D). A session
+    only stops waiting at an admission, and every admission is snapshotted, so
+    a stretch of snapshots is a window in which both waited throughout.
+    """
+    counter_gap, service_gap, lo, hi = 0.0, 0.0, None, None
+    for service, counters, waiting in zip(res.service, res.counters, res.waiting):
+        if not {a, b} <= waiting:
+            lo = hi = None  # the stretch ends
+            continue
+        d = service.get(a, 0.0) - service.get(b, 0.0)
+        lo, hi = (d, d) if lo is None else (min(lo, d), max(hi, d))
+        service_gap = max(service_gap, hi - lo)
+        if counters:
+            counter_gap = max(counter_gap, abs(counters[a] - counters[b]))
+    return counter_gap, service_gap
+
+
+def paper_U(arrivals, max_batch_size: int, kv_budget: int, w_in: float, w_out: float) -> float:
+    """U = max(w_in * L_input, w_out * M) for this simulation.
+
+    L_input = the longest prompt. M = the most tokens the running batch can hold:
+    the KV budget, or max_batch_size rows of the largest request if that is less.
+    """
+    reqs = [r for _, r in arrivals]
+    longest = max(r.prompt_len for r in reqs)
+    m = min(kv_budget, max_batch_size * max(r.kv_need for r in reqs))
+    return max(w_in * longest, w_out * m)
+
+
+@st.composite
+def traces(draw):
+    """2-4 sessions. h0 and h1 have a big backlog at tick 0, so they stay
+    backlogged for a long stretch. Every session also sends bursts at random
+    times ("on/off" traffic, as in the paper's experiments), so sessions leave,
+    return and arrive on an empty queue: that exercises the lift (P4)."""
+    max_prompt, max_out = draw(st.integers(1, 12)), draw(st.integers(1, 8))
+    sessions = ["h0", "h1", "l0", "l1"][: draw(st.integers(2, 4))]
+    plan = [(0, s) for s in sessions[:2] for _ in range(draw(st.integers(8, 25)))]
+    for s in sessions:
+        for _ in range(draw(st.integers(0 if s.startswith("h") else 1, 4))):
+            plan += [(draw(st.integers(0, 200)), s)] * draw(st.integers(1, 6))
+    plan.sort(key=lambda a: a[0])  # arrival_seq follows arrival time, as in submit
+    prompt, out = st.integers(1, max_prompt), st.integers(1, max_out)
+    arrivals = [(t, make_req(i, s, prompt=draw(prompt), out=draw(out)))
+                for i, (t, s) in enumerate(plan)]
+    batch = draw(st.integers(1, 4))
+    kv_budget = draw(st.integers(max_prompt + max_out, batch * (max_prompt + max_out)))
+    w_in, w_out = draw(st.sampled_from([(1.0, 2.0), (1.0, 1.0), (0.5, 3.0), (0.0, 1.0)]))
+    return arrivals, batch, kv_budget, w_in, w_out
+
+
+@settings(max_examples=150, deadline=None)
+@given(traces())
+def test_fair_backlogged_sessions_stay_within_the_vtc_bound(trace):
+    """P5, Sheng et al. (OSDI 2024), the theorem on backlogged clients.
+
+    Bound: if f and g both wait throughout [t1, t2),
+        |W_f(t1,t2) - W_g(t1,t2)| <= 2U,  U = max(w_in * L_input, w_out * M).
+    The proof has two steps, and both are checked here at every charge, for
+    every pair of sessions:
+    (1) Every waiting session's counter lies in [V, V + U], where V is the
+        least waiting counter (see FairPolicy), so |counter_f - counter_g| <= U.
+        Its counter was last set to V when it was admitted or lifted. Since
+        then it has grown by one prompt (<= L_input) plus the outputs of its
+        rows in the batch, all of which fit in M tokens. That is at most
+        w_in*p + w_out*(M - p) <= w_out*M, since w_in <= w_out in every weight
+        pair drawn here (with w_in > w_out the bound is
+        w_in*L_input + w_out*(M - L_input), more than U).
+    (2) A waiting session is never lifted, so in the window its counter moves
+        exactly with the service metered here: at most U off at each end, 2U.
+    How the simulation maps onto the paper: L_input = the longest prompt.
+    M = min(kv_budget, max_batch_size * the largest prompt+max_tokens), the
+    tokens a batch can hold. A prompt is charged whole on admission
+    (monolithic prefill), and each running row 1 output token per tick, the
+    same per-step updates as the paper's Algorithm.
+    """
+    arrivals, batch, kv_budget, w_in, w_out = trace
+    policy = FairPolicy(w_in=w_in, w_out=w_out)
+    res = simulate(policy, arrivals, batch, kv_budget, w_in, w_out)
+    U = paper_U(arrivals, batch, kv_budget, w_in, w_out)
+    sessions = sorted({r.session_id for _, r in arrivals})
+    for a, b in itertools.combinations(sessions, 2):
+        counter_gap, service_gap = backlogged_gaps(res, a, b)
+        assert counter_gap <= U, (a, b, counter_gap, U)  # step (1)
+        assert service_gap <= 2 * U, (a, b, service_gap, U)  # the theorem
+    # P3 agrees with the simulation's own meter: counter = service + lifts
+    for s in sessions:
+        assert policy.counters[s] >= res.service[-1][s] - 1e-9
+    for s in ("h0", "h1"):  # in their first backlog, never lifted: counter == service
+        for service, counters, waiting in zip(res.service, res.counters, res.waiting):
+            if s not in waiting:
+                break
+            assert counters[s] == pytest.approx(service.get(s, 0.0))
+    for s in sessions:  # within a session, admission is FIFO
+        seqs = [r.arrival_seq for r in res.admitted if r.session_id == s]
+        assert seqs == sorted(seqs)
+    assert len(res.admitted) == len(arrivals) and len(policy) == 0
+
+
+def test_bound_check_catches_an_unfair_policy():
+    """The P5 check can fail: FCFS serves all of a's backlog before b's first."""
+    arrivals = [(0, make_req(i, "a" if i < 20 else "b")) for i in range(40)]
+    U = paper_U(arrivals, 2, 100, 1.0, 2.0)
+    _, fcfs_gap = backlogged_gaps(simulate(FCFSPolicy(), arrivals, 2, 100, 1.0, 2.0), "a", "b")
+    _, fair_gap = backlogged_gaps(simulate(FairPolicy(), arrivals, 2, 100, 1.0, 2.0), "a", "b")
+    assert fcfs_gap > 2 * U >= fair_gap
