@@ -26,6 +26,21 @@ def real_model():
     return load_model(None, "float32", "cpu")
 
 
+@pytest.fixture(scope="session")
+def real_oracle(real_model):
+    """hf_greedy on the real model, memoised: several tests share the same oracle runs."""
+    model, _ = real_model
+    memo: dict[tuple, list[int]] = {}
+
+    def oracle(ids: list[int], n: int) -> list[int]:
+        key = (tuple(ids), n)
+        if key not in memo:
+            memo[key] = hf_greedy(model, ids, n)
+        return memo[key]
+
+    return oracle
+
+
 def make_engine(model, tokenizer=None, **cfg) -> Engine:
     cfg.setdefault("device", "cpu")
     return Engine(EngineConfig(**cfg), model=model, tokenizer=tokenizer)

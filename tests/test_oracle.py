@@ -99,17 +99,25 @@ REAL_PROMPTS = [
 @pytest.mark.real_model
 @pytest.mark.parametrize("cfg", [
     pytest.param(dict(backend="padded", enable_prefix_caching=False), id="padded"),
+    pytest.param(dict(backend="padded", enable_prefix_caching=True), id="padded+prefix"),
+    pytest.param(dict(backend="paged", enable_prefix_caching=False), id="paged"),
     pytest.param(dict(backend="paged", enable_prefix_caching=True), id="paged+prefix"),
+    pytest.param(dict(backend="paged", prefill_chunk_size=16), id="paged+chunked16"),
 ])
-def test_real_model_batched_greedy_equals_hf_generate_alone(real_model, cfg):
+def test_real_model_batched_greedy_equals_hf_generate_alone(real_model, real_oracle, cfg):
     model, tok = real_model
     engine = make_engine(model, tok, max_batch_size=4, **cfg)
-    outs = engine.generate([p for p, _ in REAL_PROMPTS],
-                           [SamplingParams(max_tokens=n) for _, n in REAL_PROMPTS])
+    # Run the set twice through one engine: the second pass hits the prefix cache
+    # (when on) for every prompt, so cached KV is checked against the oracle too.
+    prompts = [p for p, _ in REAL_PROMPTS]
+    params = [SamplingParams(max_tokens=n) for _, n in REAL_PROMPTS]
+    outs = engine.generate(prompts, params) + engine.generate(prompts, params)
     assert engine.scheduler.is_drained()
-    lengths = {len(engine.encode(p)) for p, _ in REAL_PROMPTS}
+    lengths = {len(engine.encode(p)) for p in prompts}
     assert len(lengths) >= 10, "prompts of very different lengths"
-    for (prompt, n), out in zip(REAL_PROMPTS, outs):
-        want = hf_greedy(model, engine.encode(prompt), n)
+    if cfg.get("enable_prefix_caching", True):
+        assert sum(o.num_cached_tokens for o in outs[len(prompts):]) > 0
+    for (prompt, n), out in zip(REAL_PROMPTS * 2, outs):
+        want = real_oracle(engine.encode(prompt), n)
         assert out.token_ids == want, (prompt, out.token_ids, want)
-        assert out.finish_reason == ("stop" if len(want) < n or want[-1] == 2 else "length")
+        assert out.finish_reason == ("stop" if want[-1] == 2 else "length")
