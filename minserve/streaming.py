@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ class StreamEvent:
     finish_reason: str | None = None  # set on the final event
     rejection: dict[str, Any] | None = None  # set when a gate refused the request (G6)
     error: str | None = None
+    time: float = 0.0  # time.perf_counter() when the engine pushed it (for latency figures)
 
 
 class IncrementalDetokenizer:
@@ -105,6 +107,7 @@ class RequestHandle:
 
     # --- producer side (the engine) --------------------------------------------------
     def _push(self, ev: StreamEvent, output=None) -> None:
+        ev.time = time.perf_counter()
         with self._cond:
             self._events.append(ev)
             if ev.finish_reason is not None:
