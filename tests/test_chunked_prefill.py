@@ -74,4 +74,4 @@ def test_real_model_chunked_equals_monolithic_equals_hf(real_model, real_oracle,
     for p, o, m in zip(REAL_PROMPTS, outs, mono):
         ids = engine.encode(p)
         assert o.token_ids == m.token_ids == real_oracle(ids, 8)
-        assert o.timing["prefill_chunks"] == -(-len(ids) // chunk)
+        assert o.timing["prefill_chunks"] >= -(-len(ids) // chunk)  # the budget is shared per tick
