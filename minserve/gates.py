@@ -53,20 +53,25 @@ def check_kv_budget(need: int, reserved: int, budget: int) -> Rejection | None:
 
 def check_block_pool(blocks_needed: int, free_blocks: int, prompt_blocks: int,
                      num_blocks: int) -> Rejection | None:
-    """G3, at admit: the prompt's uncached blocks must be free (or evictable) now.
+    """G3, at admit: the request's uncached blocks must be free (or evictable) now.
 
-    prompt_blocks > num_blocks  -> hard: the prompt alone is bigger than the pool.
+    What a request needs from the pool is its prompt's blocks; with the paged
+    backend, whose KV grows into the pool while decoding, prompt + max_tokens
+    (the scheduler decides, and passes `free_blocks` net of blocks promised to
+    running rows).
+
+    prompt_blocks > num_blocks  -> hard: the request alone is bigger than the pool.
     blocks_needed > free_blocks -> soft: wait for blocks to be released.
     """
     numbers = {"blocks_needed": blocks_needed, "free_blocks": free_blocks,
                "prompt_blocks": prompt_blocks, "num_blocks": num_blocks}
     if prompt_blocks > num_blocks:
         return Rejection(gate="G3", reason="prompt_exceeds_block_pool", hard=True, numbers=numbers,
-                         message=f"the prompt needs {prompt_blocks} KV blocks; the pool has "
+                         message=f"this request needs {prompt_blocks} KV blocks; the pool has "
                                  f"{num_blocks} in all")
     if blocks_needed > free_blocks:
         return Rejection(gate="G3", reason="block_pool", hard=False, numbers=numbers,
-                         message=f"the prompt needs {blocks_needed} new KV blocks; "
+                         message=f"this request needs {blocks_needed} more KV blocks; "
                                  f"{free_blocks} are free")
     return None
 

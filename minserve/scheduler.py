@@ -147,12 +147,30 @@ class Scheduler:
             return r  # report "never fits" even when the batch is also full
         r = r or gates.batch_slot_hold(rows, self.config.max_batch_size)
         if r is None and self.block_manager is not None:
-            bm, bs = self.block_manager, self.block_manager.block_size
+            bm = self.block_manager
+            # The paged backend's KV keeps growing into the pool while it decodes, so
+            # there G3 counts blocks for prompt + max_tokens, and the blocks already
+            # promised to running rows are not free: decode can never run out of
+            # blocks mid-flight (no preemption needed, P6). The padded backend's
+            # decode KV lives outside the pool; only its prompt blocks are pooled.
+            tokens = req.kv_need if self._kv_grows_in_pool else req.prompt_len
             r = gates.check_block_pool(
-                blocks_needed=bm.blocks_needed(req.prompt_token_ids),
-                free_blocks=bm.num_free_blocks(),
-                prompt_blocks=-(-req.prompt_len // bs), num_blocks=bm.num_blocks)
+                blocks_needed=bm.blocks_needed(req.prompt_token_ids, tokens),
+                free_blocks=bm.num_free_blocks() - self._promised_blocks(),
+                prompt_blocks=bm.num_blocks_for(tokens), num_blocks=bm.num_blocks)
         return r
+
+    @property
+    def _kv_grows_in_pool(self) -> bool:
+        return self.backend.name == "paged"
+
+    def _promised_blocks(self) -> int:
+        """Blocks that running rows will still take as they decode (paged backend)."""
+        if not self._kv_grows_in_pool:
+            return 0
+        bm = self.block_manager
+        return sum(bm.num_blocks_for(r.kv_need) - len(bm.block_table(r.request_id))
+                   for r in self.prefilling + self.active)
 
     def _admit(self, req: Request) -> None:
         req.status = RequestStatus.PREFILLING
@@ -268,7 +286,7 @@ class Scheduler:
             if not rows:
                 rec.kv_length = self.backend.kv_length
                 return rec
-            if self.block_manager is not None and self.backend.name == "paged":
+            if self._kv_grows_in_pool:
                 for r in rows:  # room for the token about to be written
                     self.block_manager.append_slots(r.request_id, r.num_tokens)
             feed = [r.output_token_ids[-1] for r in rows]

@@ -94,3 +94,19 @@ def test_stats_surface_pressure_reservation_and_queue_lengths(tiny_model):
     assert s["kv_pressure"] == pytest.approx(3 / 20)  # 10 prompt tokens -> 3 blocks of 4 in use
     assert s["kv_admit_blocked"]["batch"] == 1
     assert set(s["blocks"]) >= {"free", "used", "cached", "prefix_hit_rate"}
+
+
+def test_paged_decode_never_runs_out_of_blocks_because_g3_counts_max_tokens(tiny_model):
+    """Paged KV grows while decoding: 4 rows x 5 blocks would need 20 of 10 blocks.
+    G3 admits only what can finish; without it decode would fail mid-flight."""
+    engine = make_engine(tiny_model, backend="paged", block_size=4, num_blocks=10,
+                         kv_budget_tokens=1000, max_batch_size=4, enable_prefix_caching=False)
+    hs = [engine.submit([i + 1] * 3, SamplingParams(max_tokens=14, ignore_eos=True)) for i in range(4)]
+    rec = engine.scheduler.admit_pending()
+    assert len(rec.admitted) == 2
+    assert rec.held["rejection"]["gate"] == "G3"
+    run_checked(engine)
+    assert all(h.output.finish_reason == "length" and len(h.output.token_ids) == 14 for h in hs)
+    big = engine.submit([1] * 3, SamplingParams(max_tokens=40))  # 43 tokens = 11 blocks > 10
+    engine.step()
+    assert big.output.rejection["reason"] == "prompt_exceeds_block_pool"
