@@ -1,0 +1,280 @@
+"""The OpenAI-compatible HTTP server: one FastAPI app over one running Engine (SPEC H1–H3).
+
+    client ──POST /v1/chat/completions──► validate (400) ─► encode ─► engine.submit ─► handle
+                                                                         │ G1 refusal: at once
+           ◄── 429 + gate + numbers ◄── first event is a rejection? ◄────┤ G2/G3: at next admit
+           ◄── 200 + SSE / JSON     ◄── first event is a token ◄─────────┘
+
+The one idea worth reading this file for: **the status line waits for the
+engine's first word.** A gate can refuse a request at submit (G1) or later, at
+admit (hard G2/G3). HTTP lets us send the status only once, so for streaming
+and non-streaming alike we wait for the handle's first event before sending
+anything: a final event carrying a `rejection` becomes a 429 naming the gate;
+a token becomes `200` and the stream starts. A client therefore never gets a
+`200` that turns out to be a refusal, and never hangs on a request nobody will
+run (G4).
+
+The other: **a client that leaves cancels its request (H3).** Before the
+response starts we race the engine against the ASGI `http.disconnect`
+message; once streaming, Starlette notices the hang-up and cancels the stream.
+Either way `handle.cancel()` runs in a `finally`, so the row is evicted at the
+next tick and its reservation (R1) and KV blocks go back.
+
+The engine's worker thread does all model work; the event loop only submits
+(thread-safe, fast), awaits handles (`async for` never blocks the loop) and
+writes bytes. The engine is started and stopped in the app's lifespan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .engine import Engine
+from .server_access import BearerAuth, check_model, model_card, served_model_names
+from .server_errors import (
+    OpenAIError,
+    bad_request,
+    install_error_handlers,
+    rejection_error,
+    rejection_response,
+)
+from .server_schemas import (
+    OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    sampling_params,
+)
+from .server_shapes import SSE_DONE, ResponseShaper, sse
+from .streaming import RequestHandle, StreamEvent
+
+__all__ = ["create_app", "rejection_response", "served_model_names", "OpenAIError"]
+
+T = TypeVar("T")
+
+
+def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: bool = True,
+               default_max_tokens: int = 256, retry_after_s: float = 1.0,
+               model_aliases: tuple[str, ...] = ()) -> FastAPI:
+    """The app. `manage_engine`: start the worker at startup and stop it at shutdown.
+
+    `default_max_tokens` is used by chat requests that omit max_tokens
+    (completions keep OpenAI's 16); `retry_after_s` goes into `Retry-After` on 429s.
+    """
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        if manage_engine:
+            engine.start()
+        yield
+        if manage_engine:
+            engine.stop()
+
+    app = FastAPI(title="minserve", lifespan=lifespan,
+                  description="OpenAI-compatible API over a minserve Engine.")
+    app.state.engine = engine
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
+    names = served_model_names(engine, model_aliases)
+    started = int(time.time())
+
+    # ---------------------------------------------------------------- endpoints
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card(engine, names, started)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> dict[str, Any]:
+        check_model(model, names)
+        return model_card(engine, names, started)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model, names)
+        body.check_supported()
+        prompt = body.single_prompt()
+        ids = _encode(engine, prompt, "prompt")
+        return await _generate(engine, request, body, ids, "completion",
+                               OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS, retry_after_s)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model, names)
+        body.check_supported()
+        ids = _encode(engine, body.template_messages(), "messages")  # the chat template
+        return await _generate(engine, request, body, ids, "chat", default_max_tokens,
+                               retry_after_s)
+
+    @app.get("/scheduler/stats")
+    def scheduler_stats() -> dict[str, Any]:
+        # A plain `def`: FastAPI runs it in a thread, so the brief queue lock that
+        # stats() takes never stalls the event loop.
+        return engine.stats()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """Liveness without locks: a thread's `is_alive()` and two plain reads, so this
+        answers even while a tick holds the scheduler lock (it can never hang)."""
+        alive = engine.running
+        body = {"status": "ok" if alive else "unhealthy", "worker_alive": alive,
+                "ticks": engine.scheduler.tick_count, "last_error": engine.last_error}
+        if not alive:
+            body["error"] = OpenAIError(503, "the engine's worker thread is not running",
+                                        "server_error", code="worker_dead").body()["error"]
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    return app
+
+
+# ==================================================================== one request
+async def _generate(engine: Engine, request: Request, body: GenerationRequest, ids: list[int],
+                    kind: str, default_max_tokens: int, retry_after_s: float) -> Response:
+    """Submit, wait for the first event, then answer: 429, streamed 200 or JSON 200."""
+    sampling = sampling_params(body, len(ids), engine.max_model_len, default_max_tokens)
+    session = body.user or request.headers.get("x-session-id") or "default"  # H2
+    rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    if not engine.running:  # nobody would ever tick this request: say so instead of hanging
+        raise OpenAIError(503, "the engine's worker thread is not running (see GET /health)",
+                          "server_error", code="worker_dead")
+    try:
+        handle = engine.submit(ids, sampling, session_id=session, priority=body.priority,
+                               request_id=rid)
+    except ValueError as e:
+        raise bad_request(str(e), "prompt") from None
+    shaper = ResponseShaper(kind, rid, engine.model_name, len(ids), session, body.priority)
+    events = handle.__aiter__()
+    handed_off = False  # True once a streaming response owns the cancel
+    try:
+        first = await _unless_disconnected(request, anext(events))
+        if first.finish_reason is not None:  # refused (429) or failed before any token
+            raise _final_error(first, retry_after_s)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = _sse_stream(first, events, handle, shaper, include_usage)
+            handed_off = True
+            return CancelOnCloseStream(stream, handle, headers={"x-request-id": rid})
+        await _unless_disconnected(request, _drain(events))
+        out = handle.output
+        if out.finish_reason == "error":
+            raise OpenAIError(500, _engine_error_message(handle), "server_error",
+                              code="engine_error")
+        return JSONResponse(shaper.final_body(out), headers={"x-request-id": rid})
+    except ClientGone:  # nobody is listening; 499 is nginx's "client closed request"
+        return Response(status_code=499)
+    finally:
+        if not handed_off:
+            handle.cancel()  # no-op when finished; else evicted next tick, all released (H3)
+            await events.aclose()
+
+
+async def _sse_stream(first: StreamEvent, events: AsyncIterator[StreamEvent],
+                      handle: RequestHandle, shaper: ResponseShaper,
+                      include_usage: bool) -> AsyncIterator[str]:
+    """The SSE body: a chunk per text delta, the finish chunk, usage if asked, [DONE]."""
+    try:
+        if shaper.kind == "chat":
+            yield sse(shaper.chunk(role=True))
+        if first.text:
+            yield sse(shaper.chunk(first.text))
+        async for ev in events:
+            if ev.text:
+                yield sse(shaper.chunk(ev.text))
+            if ev.finish_reason is None:
+                continue
+            out = handle.output
+            if out.finish_reason == "error":  # the status line is long gone: say it in-band
+                yield sse(OpenAIError(500, _engine_error_message(handle), "server_error",
+                                      code="engine_error").body())
+            yield sse(shaper.chunk(finish_reason=out.finish_reason, out=out))
+            if include_usage:
+                yield sse(shaper.usage_chunk(out))
+        yield SSE_DONE
+    finally:
+        handle.cancel()  # the client left mid-stream (or we are shutting down): H3
+        await events.aclose()
+
+
+class CancelOnCloseStream(StreamingResponse):
+    """An SSE response that cancels its request however the response ends (H3).
+
+    When the client hangs up, Starlette cancels the task writing the stream. If
+    our generator was parked at a `yield` (waiting for the socket, not for the
+    engine), its own `finally` would only run whenever it is garbage-collected;
+    this wrapper makes the cancel happen right away, every time.
+    """
+
+    def __init__(self, content: AsyncIterator[str], handle: RequestHandle, **kw) -> None:
+        super().__init__(content, media_type="text/event-stream", **kw)
+        self.headers["cache-control"] = "no-cache"
+        self.handle = handle
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.handle.cancel()
+            await self.body_iterator.aclose()
+
+
+# ==================================================================== helpers
+class ClientGone(Exception):
+    """The client disconnected before we answered."""
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Return when the client hangs up. The body is already read, so the ASGI
+    server's next message is `http.disconnect`: this waits, it does not poll."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await `awaitable`, unless the client disconnects first: then cancel it, raise ClientGone."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, gone):
+            task.cancel()
+        await asyncio.wait({work, gone})  # let both unwind before anyone touches `events`
+    if work.cancelled():
+        raise ClientGone
+    return work.result()
+
+
+async def _drain(events: AsyncIterator[StreamEvent]) -> None:
+    async for _ in events:
+        pass
+
+
+def _final_error(ev: StreamEvent, retry_after_s: float) -> OpenAIError:
+    """A request that ended before its first token: a gate refusal (429) or a failure."""
+    if ev.rejection is not None:
+        return rejection_error(ev.rejection, retry_after_s)
+    if ev.finish_reason == "cancelled":
+        return OpenAIError(503, "the request was cancelled before it started", "server_error",
+                           code="cancelled")
+    return OpenAIError(500, ev.error or "the engine failed this request", "server_error",
+                       code="engine_error")
+
+
+def _engine_error_message(handle: RequestHandle) -> str:
+    final = handle.events[-1]
+    return final.error or "the engine failed this request"
+
+
+def _encode(engine: Engine, prompt, param: str) -> list[int]:
+    try:
+        return engine.encode(prompt)
+    except ValueError as e:
+        raise bad_request(str(e), param) from None

@@ -1,0 +1,174 @@
+"""`minserve serve`: every engine knob as a flag and an environment variable, then uvicorn.
+
+    minserve serve --max-batch-size 8 --max-queue-size 32 --policy fair
+    MAX_QUEUE_SIZE=32 POLICY=fair minserve serve          # the same, from the environment
+
+The flags are generated from `EngineConfig`'s fields, so a knob added there is
+servable at once and the names can never drift from the SPEC's (A2): field
+`max_queue_size` -> flag `--max-queue-size` -> variable `MAX_QUEUE_SIZE`.
+Precedence: flag > environment > EngineConfig's default. An empty variable
+counts as unset. Bad values fail before the model loads, with EngineConfig's
+message saying what to change.
+
+Server-only settings carry a `MINSERVE_` prefix (`MINSERVE_HOST`,
+`MINSERVE_PORT`, `MINSERVE_API_KEY`): bare `HOST` is set by some shells to the
+machine's name, and binding to it by accident would expose the server.
+
+`BackgroundServer` runs the same server in a thread on a free loopback port:
+for tests, and for notebooks that want to `curl` their own engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import threading
+import time
+import typing
+from typing import Any
+
+from .config import BACKENDS, DTYPES, POLICIES, EngineConfig, PrefillMode
+
+CHOICES = {"policy": POLICIES, "backend": BACKENDS, "dtype": DTYPES,
+           "prefill_mode": tuple(m.value for m in PrefillMode)}
+SERVER_ENV = {"host": "MINSERVE_HOST", "port": "MINSERVE_PORT", "api_key": "MINSERVE_API_KEY"}
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def engine_knobs() -> list[tuple[str, type, Any]]:
+    """(field name, base type, default) for every EngineConfig field. `int | None` -> int."""
+    hints = typing.get_type_hints(EngineConfig)
+    knobs = []
+    for f in dataclasses.fields(EngineConfig):
+        kinds = [t for t in typing.get_args(hints[f.name]) if t is not type(None)]
+        knobs.append((f.name, kinds[0] if kinds else hints[f.name], f.default))
+    return knobs
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    srv = p.add_argument_group("server")
+    srv.add_argument("--host", default=None,
+                     help="bind address (env MINSERVE_HOST; default 127.0.0.1, loopback only)")
+    srv.add_argument("--port", type=int, default=None,
+                     help="TCP port (env MINSERVE_PORT; default 8000)")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on every route but /health "
+                          "(env MINSERVE_API_KEY; default: no key)")
+    srv.add_argument("--default-max-tokens", type=int, default=256,
+                     help="chat requests that omit max_tokens get this many (completions "
+                          "keep OpenAI's 16); capped by the context left")
+    srv.add_argument("--retry-after", type=float, default=1.0,
+                     help="seconds sent in Retry-After on 429 refusals")
+    srv.add_argument("--model-alias", action="append", default=[],
+                     help="another name a request's 'model' may use (repeatable)")
+    srv.add_argument("--log-level", default="info",
+                     choices=["critical", "error", "warning", "info", "debug"])
+    eng = p.add_argument_group("engine (EngineConfig; each also read from the environment)")
+    for name, kind, default in engine_knobs():
+        flag, env = "--" + name.replace("_", "-"), name.upper()
+        shown = "the embedded SmolLM2" if name == "model" and default is None else default
+        help_ = f"env {env}; default {shown!r}"
+        if kind is bool:
+            eng.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            eng.add_argument(flag, type=kind, default=None, choices=CHOICES.get(name),
+                             help=help_)
+
+
+def _from_env(name: str, kind: type, env: dict[str, str]) -> Any:
+    raw = env.get(name.upper(), "")
+    if raw == "":
+        return None
+    if kind is bool:
+        if raw.lower() not in TRUE + FALSE:
+            raise ValueError(f"{name.upper()}={raw!r}; use one of {TRUE + FALSE}")
+        return raw.lower() in TRUE
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"{name.upper()}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def engine_config_from_args(args: argparse.Namespace,
+                            env: dict[str, str] | None = None) -> EngineConfig:
+    """Flags over environment over defaults -> a validated EngineConfig (ValueError if bad)."""
+    env = dict(os.environ if env is None else env)
+    values = {}
+    for name, kind, _ in engine_knobs():
+        flag = getattr(args, name, None)
+        value = flag if flag is not None else _from_env(name, kind, env)
+        if value is not None:
+            values[name] = value
+    return EngineConfig(**values)
+
+
+def server_settings(args: argparse.Namespace, env: dict[str, str] | None = None) -> dict:
+    env = dict(os.environ if env is None else env)
+    host = args.host or env.get(SERVER_ENV["host"]) or "127.0.0.1"
+    port = args.port if args.port is not None else int(env.get(SERVER_ENV["port"]) or 8000)
+    api_key = args.api_key or env.get(SERVER_ENV["api_key"]) or None
+    return {"host": host, "port": port, "api_key": api_key}
+
+
+def serve(args: argparse.Namespace) -> int:
+    """The `serve` subcommand: build the engine, then run uvicorn until Ctrl-C."""
+    try:
+        config = engine_config_from_args(args)
+        settings = server_settings(args)
+    except ValueError as e:
+        print(f"minserve serve: error: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from .engine import Engine
+    from .server import create_app
+
+    print(f"loading {config.model or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr)
+    engine = Engine(config)
+    if settings["host"] not in ("127.0.0.1", "localhost", "::1") and not settings["api_key"]:
+        print(f"warning: serving on {settings['host']} without --api-key: anyone who can reach "
+              "this port can use the model", file=sys.stderr)
+    app = create_app(engine, api_key=settings["api_key"], retry_after_s=args.retry_after,
+                     default_max_tokens=args.default_max_tokens,
+                     model_aliases=tuple(args.model_alias))
+    uvicorn.run(app, host=settings["host"], port=settings["port"], log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+class BackgroundServer:
+    """uvicorn in a daemon thread on 127.0.0.1 and a free port (the OS picks it).
+
+        with BackgroundServer(create_app(engine)) as srv:
+            httpx.get(srv.url + "/health")
+
+    The app's lifespan runs as in production: the engine starts with the server
+    and stops with it.
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning") -> None:
+        import uvicorn
+
+        self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                     lifespan="on", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(self.config)
+        self.thread = threading.Thread(target=self.server.run, name="minserve-http", daemon=True)
+        self.url = ""
+
+    def __enter__(self) -> BackgroundServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
