@@ -46,13 +46,15 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, *, model: torch.nn.Module | None = None,
                  tokenizer=None) -> None:
         self.config = config = config or EngineConfig()
-        if model is None:
+        loaded = model is None
+        if loaded:
             model, tokenizer = load_model(config.model, config.dtype, config.device)
         self.model, self.tokenizer = model.eval(), tokenizer
         self.device = next(model.parameters()).device
         self.max_model_len = config.max_model_len or int(model.config.max_position_embeddings)
         self.eos_token_ids = self._eos_ids()
-        self.model_name = config.model or "SmolLM2-135M-Instruct"
+        self.model_name = config.model or (
+            "SmolLM2-135M-Instruct" if loaded else getattr(model.config, "name_or_path", "") or "custom")
 
         # K1: the block pool. Default size: every batch row holding up to
         # DEFAULT_MAX_CONTEXT_FOR_BLOCKS tokens. G2's budget defaults to the same number of tokens.
@@ -87,6 +89,7 @@ class Engine:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.last_error: str | None = None
+        self.last_tick_at: float | None = None  # time.monotonic() of the worker's last loop
         self.trace: list[TickRecord] | None = None  # set to [] to record every tick
 
     # ================================================================ inputs
@@ -197,7 +200,7 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats()
         s.update(model=self.model_name, device=str(self.device), worker_alive=self.running,
-                 last_error=self.last_error)
+                 last_error=self.last_error, last_tick_at=self.last_tick_at)
         return s
 
     def check_invariants(self) -> None:
@@ -225,11 +228,12 @@ class Engine:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if not self.scheduler.has_work():
-                self._wake.wait(timeout=0.1)
-                self._wake.clear()
-                continue
+            self.last_tick_at = time.monotonic()  # heartbeat: a stuck worker stops updating it
             try:
+                if not self.scheduler.has_work():
+                    self._wake.wait(timeout=0.1)
+                    self._wake.clear()
+                    continue
                 self.step()
             except Exception:  # keep serving: fail the rows in flight, report the error
                 self.last_error = traceback.format_exc()
