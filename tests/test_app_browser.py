@@ -1,0 +1,100 @@
+"""The chat demo in a real browser: headless Chromium opens the page, chats, watches it stream.
+
+Debian's chromium (`apt-get install -y chromium`), driven by playwright from
+PyPI: no browser download. The real embedded SmolLM2 answers, so the
+screenshots saved under docs/img/ show a meaningful reply next to the live
+scheduler panel, while a noisy neighbour floods the engine (fair policy).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = Path("/usr/bin/chromium")
+IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run"]
+
+pytestmark = [
+    pytest.mark.real_model,
+    pytest.mark.skipif(not CHROMIUM.exists(),
+                       reason="needs Debian's chromium at /usr/bin/chromium: "
+                              "`sudo apt-get install -y chromium` (no browser download)"),
+]
+
+
+@pytest.fixture(scope="module")
+def page_url():
+    import app as chat_demo
+    from minserve import Engine, EngineConfig
+    from minserve.models import load_model
+
+    model, tokenizer = load_model(None, "float32", "cpu")
+    engine = Engine(EngineConfig(device="cpu", policy="fair", max_batch_size=4, num_blocks=128),
+                    model=model, tokenizer=tokenizer)
+    demo = chat_demo.build_app(engine)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    chat_demo.launch(demo, "127.0.0.1", port, prevent_thread_lock=True, quiet=True)
+    yield f"http://127.0.0.1:{port}/", engine
+    demo.chat_app.close()
+    demo.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+def test_reply_streams_into_the_page_beside_the_live_panel(page_url, browser):
+    url, engine = page_url
+    page = browser.new_page(viewport={"width": 1440, "height": 1000})
+    page.goto(url)
+    page.wait_for_selector("#msg textarea")
+
+    # A small flood from the noisy neighbour, so the panel has something to show.
+    page.get_by_label("requests").first.fill("12")
+    page.get_by_label("in flight").first.fill("8")
+    page.get_by_label("longest reply").first.fill("64")
+    page.get_by_role("button", name="Start flood").click()
+    page.wait_for_function("document.querySelector('#flood').innerText.includes('flooding')")
+
+    page.fill("#msg textarea", "Tell me about Paris in three sentences.")
+    page.press("#msg textarea", "Enter")
+    bot = page.locator("#chat .bot-row").last
+    lengths, deadline = [], time.monotonic() + 120
+    while time.monotonic() < deadline:
+        text = bot.inner_text() if page.locator("#chat .bot-row").count() else ""
+        if text.strip() not in ("", "…") and (not lengths or len(text) != lengths[-1]):
+            lengths.append(len(text))
+        if "tokens in" in page.locator("#status").inner_text():  # the final status line
+            break
+        time.sleep(0.1)
+    final = bot.inner_text()
+    assert len(lengths) >= 3 and lengths == sorted(lengths), f"did not stream in: {lengths}"
+    assert "Paris" in final, final
+    assert "⚠" not in final
+
+    # The panel refreshes by itself (gr.Timer): the tick counter moves on while the flood runs.
+    tick0 = page.locator("#summary").inner_text()
+    page.wait_for_timeout(1500)
+    assert page.locator("#summary").inner_text() != tick0
+    assert "noisy-neighbour" in page.locator("#sessions").inner_text()
+
+    IMG.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(IMG / "app.png"), full_page=True)
+    for tab, name in (("KV blocks", "app_kv.png"), ("Fairness", "app_fairness.png")):
+        page.get_by_role("tab", name=tab).click()
+        page.wait_for_timeout(1200)
+        page.locator(".tabs").first.screenshot(path=str(IMG / name))
+    page.close()
