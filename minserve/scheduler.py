@@ -103,8 +103,14 @@ class Scheduler:
             prefill = self.advance_prefill_chunk()
             evict = self.evict_finished()
             decode = self.decode_step()
-            self.tick_count += 1
-            return self._tick_record(admit, prefill, evict, decode, time.perf_counter() - t0)
+            return self.end_tick(admit, prefill, evict, decode, time.perf_counter() - t0)
+
+    def end_tick(self, admit: AdmitRecord, prefill: PrefillRecord, evict: EvictRecord,
+                 decode: DecodeRecord, duration_s: float = 0.0) -> TickRecord:
+        """Close a tick whose phases ran (by `step`, or one by one in step mode): count
+        it and return its record."""
+        self.tick_count += 1
+        return self.snapshot_record(admit, prefill, evict, decode, duration_s, tick=self.tick_count)
 
     # ---------------------------------------------------------------- T1
     def admit_pending(self) -> AdmitRecord:
@@ -393,24 +399,33 @@ class Scheduler:
             return (not self.has_work() and self.active_kv_reserved == 0 and blocks_idle
                     and self.backend.num_rows == 0 and not self.requests)
 
-    def _card(self, req: Request) -> dict[str, Any]:
+    @staticmethod
+    def card(req: Request) -> dict[str, Any]:
+        """The small per-request summary a TickRecord keeps (for queue figures)."""
         return {"session": req.session_id, "priority": req.priority, "prompt_len": req.prompt_len,
                 "computed": req.num_computed_prompt_tokens, "cached": req.num_cached_tokens,
                 "output_len": len(req.output_token_ids), "max_tokens": req.max_tokens,
                 "status": req.status.value}
 
-    def _tick_record(self, admit, prefill, evict, decode, duration: float) -> TickRecord:
+    def snapshot_record(self, admit: AdmitRecord | None = None, prefill: PrefillRecord | None = None,
+                        evict: EvictRecord | None = None, decode: DecodeRecord | None = None,
+                        duration_s: float = 0.0, tick: int | None = None) -> TickRecord:
+        """The engine *now* as a TickRecord: the phase records given so far, empty ones
+        for phases not run yet (to draw a tick half-way). `tick` defaults to the tick in
+        progress."""
         with self.queue_lock:
-            pending = list(self.policy)
+            pending, policy = list(self.policy), self.policy.stats()
         reqs = pending + self.prefilling + self.active
         return TickRecord(
-            tick=self.tick_count, admit=admit, prefill=prefill, evict=evict, decode=decode,
+            tick=self.tick_count + 1 if tick is None else tick,
+            admit=admit or AdmitRecord(), prefill=prefill or PrefillRecord(),
+            evict=evict or EvictRecord(), decode=decode or DecodeRecord(),
             queues={"pending": [r.request_id for r in pending],
                     "prefilling": [r.request_id for r in self.prefilling],
                     "active": [r.request_id for r in self.active]},
-            active_kv_reserved=self.active_kv_reserved, duration_s=duration,
-            requests={r.request_id: self._card(r) for r in reqs},
-            backend=self.backend.snapshot(), policy=self.policy.stats(),
+            active_kv_reserved=self.active_kv_reserved, duration_s=duration_s,
+            requests={r.request_id: self.card(r) for r in reqs},
+            backend=self.backend.snapshot(), policy=policy,
             blocks=self.block_manager.snapshot() if self.block_manager is not None else None)
 
     def stats(self) -> dict[str, Any]:

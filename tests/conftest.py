@@ -59,7 +59,7 @@ def run_checked(engine: Engine, max_ticks: int = 10_000, on_phase=None) -> list[
             s.check_invariants()
             if on_phase is not None:
                 on_phase(name, tick[name])
-        s.tick_count += 1
+        s.end_tick(*(tick[name] for name in PHASES))
         records.append(tick)
     assert not s.has_work(), "did not drain"
     return records

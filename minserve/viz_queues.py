@@ -1,0 +1,158 @@
+"""The three queues (SPEC Q1-Q3), a card per request, drawn from one TickRecord.
+
+    Q1 pending            Q2 prefilling           Q3 active (decode batch)   left this tick
+    ┌──────────────┐      ┌──────────────┐        ┌──────────────┐           ┌────────────┐
+    │ req-4 · bob  │      │ req-2 · alice│        │ req-0 · alice│           │ req-1      │
+    │ prompt 40    │      │ 16/40 done   │        │ out 3/8      │           │ length     │
+    │ held: G2 ... │      │ ███░░░░░     │        │ ███░░░░░     │           └────────────┘
+    └──────────────┘      └──────────────┘        └──────────────┘
+
+Card colour = session; a red dashed border = soft-held at the head of pending
+by a gate (G4), with the gate's numbers (G6) in the card and on hover. The
+thin bar at the bottom of a card is its progress: prompt tokens computed
+(prefilling) or output tokens out of `max_tokens` (active).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import plotly.graph_objects as go
+
+from . import viz_style as style
+
+COLUMNS = (("pending", "Q1 pending"), ("prefilling", "Q2 prefilling"),
+           ("active", "Q3 active (decode batch)"), ("left", "left this tick"))
+CARD_W, CARD_H, GAP = 0.86, 0.82, 0.18  # in axis units: one column is 1 wide, one card ~1 high
+
+
+def _gate_line(rejection: dict[str, Any]) -> str:
+    """The hold in a few words (the card is narrow); the full numbers are in the hover."""
+    n = rejection.get("numbers", {})
+    if rejection["gate"] == "G2":
+        return (f"held by G2: {n.get('active_kv_reserved')} + {n.get('need')}"
+                f" > {n.get('kv_budget_tokens')} tokens")
+    if rejection["gate"] == "G3":
+        return f"held by G3: {n.get('blocks_needed')} blocks, {n.get('free_blocks')} free"
+    if rejection["gate"] == "batch":
+        return f"held: all {n.get('max_batch_size')} rows busy"
+    return f"held by {rejection['gate']}: {rejection['reason']}"
+
+
+def _cards(rec, trace) -> dict[str, list[dict[str, Any]]]:
+    """Per column, in queue order: {id, card, lines, progress, held} for each request."""
+    held = rec.admit.held or {}
+    admitted = {a["request_id"]: a for a in rec.admit.admitted}
+    chunks = {c["request_id"]: c for c in rec.prefill.chunks}
+    out: dict[str, list[dict[str, Any]]] = {}
+    for q in ("pending", "prefilling", "active"):
+        col = []
+        for rid in rec.queues.get(q, []):
+            c = rec.requests.get(rid, {})
+            head = f"<b>{rid}</b> · {c.get('session', '?')}"
+            if c.get("priority"):
+                head += f" · prio {c['priority']}"
+            progress, lines = 0.0, [head]
+            if q == "pending":
+                lines.append(f"prompt {c.get('prompt_len')} · max {c.get('max_tokens')} out")
+                if rid == held.get("request_id"):
+                    lines.append(_gate_line(held["rejection"]))
+                else:
+                    lines.append("waiting")
+            elif q == "prefilling":
+                done, n = c.get("computed", 0), c.get("prompt_len", 1)
+                progress = done / max(1, n)
+                lines.append(f"prompt {done}/{n} computed" + (f" ({c['cached']} cached)"
+                                                             if c.get("cached") else ""))
+                lines.append(f"chunk {chunks[rid]['start']}..{chunks[rid]['end']} this tick"
+                             if rid in chunks else ("admitted this tick" if rid in admitted
+                                                    else "waiting for a chunk"))
+            else:
+                k, m = c.get("output_len", 0), c.get("max_tokens", 1)
+                progress = k / max(1, m)
+                lines.append(f"out {k}/{m} · prompt {c.get('prompt_len')}"
+                             + (f" ({c['cached']} cached)" if c.get("cached") else ""))
+                if rid in rec.decode.finished:
+                    lines.append(f"done ({rec.decode.finished[rid]}), leaves next tick")
+                elif rid in chunks:
+                    lines.append("prefilled, first token this tick")
+                else:
+                    lines.append(f"decoded at pos {rec.decode.positions[rid]}"
+                                 if rid in rec.decode.positions else "")
+            col.append({"id": rid, "card": c, "lines": lines, "progress": progress,
+                        "held": q == "pending" and rid == held.get("request_id")})
+        out[q] = col
+    left = []
+    for e in rec.evict.evicted:
+        left.append({"id": e["request_id"], "card": e, "progress": 1.0, "held": False,
+                     "lines": [f"<b>{e['request_id']}</b>", f"finished: {e['finish_reason']}",
+                               f"released {e['released_tokens']} KV tokens"]})
+    for r in rec.admit.rejected:
+        j = r["rejection"]
+        left.append({"id": r["request_id"], "card": r, "progress": 0.0, "held": False,
+                     "lines": [f"<b>{r['request_id']}</b>", f"rejected by {j['gate']}",
+                               j["reason"]]})
+    for rid in rec.admit.cancelled:
+        left.append({"id": rid, "card": {}, "progress": 0.0, "held": False,
+                     "lines": [f"<b>{rid}</b>", "cancelled while pending", ""]})
+    out["left"] = left
+    return out
+
+
+def queues(rec, trace=None, title: str | None = None) -> go.Figure:
+    """The queues after a tick (or after one phase, in the stepper), a card per request.
+
+    One invisible scatter trace per column carries the request ids (`customdata`,
+    in queue order) and the hover text, so the figure's data can be checked.
+    """
+    rec = style.as_record(rec)
+    cols = _cards(rec, trace)
+    sessions = [c["card"].get("session") for col in cols.values() for c in col
+                if c["card"].get("session")]
+    colors = style.session_colors(trace, sessions)
+    shapes, annotations, data = [], [], []
+    for x, (q, label) in enumerate(COLUMNS):
+        annotations.append({"x": x + CARD_W / 2, "y": 0.35, "text": f"<b>{label}</b> "
+                            f"({len(cols[q])})", "showarrow": False, "font": {"size": 13}})
+        xs, ys, hover = [], [], []
+        for i, card in enumerate(cols[q]):
+            top = -i * (CARD_H + GAP)
+            color = colors.get(card["card"].get("session"), style.DONE) if q != "left" else style.DONE
+            shapes.append({"type": "rect", "x0": x, "x1": x + CARD_W, "y0": top - CARD_H,
+                           "y1": top, "fillcolor": color, "opacity": 0.16 if q != "left" else 0.08,
+                           "line": {"width": 0}})
+            shapes.append({"type": "rect", "x0": x, "x1": x + CARD_W, "y0": top - CARD_H,
+                           "y1": top, "fillcolor": "rgba(0,0,0,0)",
+                           "line": {"color": style.HELD if card["held"] else color,
+                                    "width": 3 if card["held"] else 1.5,
+                                    "dash": "dash" if card["held"] else "solid"}})
+            if q in ("prefilling", "active"):  # progress bar along the bottom edge
+                shapes.append({"type": "rect", "x0": x + 0.02, "y0": top - CARD_H + 0.04,
+                               "x1": x + 0.02 + (CARD_W - 0.04) * min(1.0, card["progress"]),
+                               "y1": top - CARD_H + 0.12, "fillcolor": color,
+                               "line": {"width": 0}})
+            annotations.append({"x": x + 0.03, "y": top - 0.06, "xanchor": "left",
+                                "yanchor": "top", "align": "left", "showarrow": False,
+                                "text": "<br>".join(card["lines"]), "font": {"size": 11}})
+            xs.append(x + CARD_W / 2)
+            ys.append(top - CARD_H / 2)
+            info = dict(card["card"])
+            if card["held"]:
+                info["held"] = rec.admit.held["rejection"]["message"]
+            hover.append("<br>".join(f"{k}: {v}" for k, v in info.items()))
+        data.append(go.Scatter(x=xs, y=ys, mode="markers", name=q, hovertext=hover,
+                               hoverinfo="text", customdata=[c["id"] for c in cols[q]],
+                               marker={"size": 30, "opacity": 0}, showlegend=False))
+    rows = max([len(c) for c in cols.values()] + [1])
+    bottom = -rows * (CARD_H + GAP)
+    if title is None:
+        reserved = f"KV reserved {rec.active_kv_reserved}"
+        if trace is not None and trace.config.get("kv_budget_tokens"):
+            reserved += f"/{trace.config['kv_budget_tokens']}"
+        title = f"tick {rec.tick}: the queues after the tick · {reserved} tokens (R1)"
+    fig = go.Figure(data=data, layout=style.base_layout(
+        title, shapes=shapes, annotations=annotations, height=150 + 82 * rows, width=1000,
+        margin={"l": 15, "r": 15, "t": 70, "b": 20},
+        xaxis={"visible": False, "range": [-0.05, len(COLUMNS)]},
+        yaxis={"visible": False, "range": [bottom, 0.6]}, hovermode="closest"))
+    return fig
