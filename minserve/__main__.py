@@ -1,4 +1,4 @@
-"""Command line: `minserve demo` (and `python -m minserve demo`).
+"""Command line: `minserve demo` and `minserve serve` (or `python -m minserve ...`).
 
 `demo` runs the embedded model on a handful of chat prompts with a decode
 batch smaller than the number of requests, and prints every tick: who was
@@ -69,6 +69,21 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--backend", default="padded", choices=["padded", "paged"])
     d.add_argument("--prefill-chunk-size", type=int, default=0)
     d.set_defaults(fn=demo)
+    from .server_cli import add_serve_arguments, serve  # no web imports until `serve` runs
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the 'server' extra)",
+                       description="Serve the engine over HTTP (OpenAI API). Every engine "
+                                   "flag can also be set by its upper-case environment "
+                                   "variable; flags win.")
+    add_serve_arguments(s)
+    s.set_defaults(fn=serve)
+    from .bench.cli import add_bench_arguments, bench  # torch/transformers load only when it runs
+
+    b = sub.add_parser("bench", help="benchmark minserve against its peers (JSON + HTML report)",
+                       description="Replay a seeded workload against minserve (in process or "
+                                   "over HTTP) and Hugging Face baselines; see docs/benchmarks.md.")
+    add_bench_arguments(b)
+    b.set_defaults(fn=bench)
     args = parser.parse_args(argv)
     return args.fn(args)
 

@@ -37,6 +37,57 @@ from ..request import Request
 from .base import Backend, model_forward_kwargs
 
 
+def _in_place_layer_class():
+    """`InPlaceLayer`, built on first use so that importing this module stays light."""
+    from transformers.cache_utils import DynamicLayer
+
+    class InPlaceLayer(DynamicLayer):
+        """A `DynamicCache` layer for the decode batch that grows into spare room.
+
+        `DynamicLayer.update` does `keys = torch.cat([keys, new], dim=-2)`: every
+        decode step copies the whole batch's KV, (B, H_kv, L, D) per layer, to add
+        one column -- O(B*L) bytes per step, which at L ~ 500 costs as much as a
+        tenth of the forward on a CPU. Here `keys`/`values` are views of a buffer
+        with SLACK spare columns; a step writes its column in place:
+
+            buffer (B, H_kv, L + SLACK, D):   [ k k k k k k k | . . . . ]
+            keys = buffer[:, :, :L]                        new column -> L
+
+        The buffer is (re)allocated -- one copy, what `cat` did at every step --
+        only when the room runs out (every SLACK steps) or when the backend has
+        replaced `keys` itself (a row spliced in or removed: new storage).
+        """
+
+        SLACK = 64
+
+        @classmethod
+        def from_layer(cls, layer) -> InPlaceLayer:
+            new = cls.__new__(cls)
+            new.__dict__.update(layer.__dict__)  # same tensors, same flags
+            new._buf_k = new._buf_v = None
+            return new
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            n, t = (self.keys.shape[-2] if self.keys.numel() else 0), key_states.shape[-2]
+            buf = self._buf_k
+            if (buf is None or self.keys.data_ptr() != buf.data_ptr()
+                    or self.keys.shape[:2] != buf.shape[:2] or n + t > buf.shape[-2]):
+                B, H, _, D = key_states.shape
+                self._buf_k = key_states.new_empty(B, H, n + t + self.SLACK, D)
+                self._buf_v = value_states.new_empty(B, H, n + t + self.SLACK, D)
+                if n:
+                    self._buf_k[:, :, :n] = self.keys
+                    self._buf_v[:, :, :n] = self.values
+            self._buf_k[:, :, n:n + t] = key_states
+            self._buf_v[:, :, n:n + t] = value_states
+            self.keys, self.values = self._buf_k[:, :, :n + t], self._buf_v[:, :, :n + t]
+            return self.keys, self.values
+
+    return InPlaceLayer
+
+
 class PaddedBackend(Backend):
     name = "padded"
 
@@ -53,6 +104,7 @@ class PaddedBackend(Backend):
         self.row_ids: list[str] = []  # decode batch order: row i is request row_ids[i]
         self.cache = None  # batched DynamicCache, (B, H_kv, L, D) per layer
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # (B, L)
+        self._in_place_layer = None  # the InPlaceLayer class, once built
 
     # --- prefill side --------------------------------------------------------------------
     def begin_prefill(self, req: Request) -> None:
@@ -92,6 +144,10 @@ class PaddedBackend(Backend):
         n = row.get_seq_length()
         if self.cache is None or not self.row_ids:
             self.cache, self.row_ids = row, [req.request_id]
+            # The decode batch's cache grows in place (no torch.cat per step): see InPlaceLayer.
+            layer_cls = self._in_place_layer or _in_place_layer_class()
+            self._in_place_layer = layer_cls
+            row.layers = [layer_cls.from_layer(layer) for layer in row.layers]
             self.mask = torch.ones(1, n, dtype=torch.long, device=self.device)
             return
         width = self.mask.shape[1]  # R3: the mask's own width, not kv_length
@@ -162,9 +218,10 @@ class PaddedBackend(Backend):
         mask = self.mask.tolist()
         return {"name": self.name, "kv_length": self.kv_length, "num_rows": self.num_rows,
                 "row_ids": list(self.row_ids), "attention_mask": mask,
-                "position_ids": [[max(0, sum(r[: j + 1]) - 1) if r[j] else 0 for j in range(len(r))]
-                                 for r in mask],
-                "padding_tokens": sum(len(r) - sum(r) for r in mask),
+                # a real column's position = real columns up to it - 1; padding -> 0.
+                # (cumsum in torch: the Python double loop was O(B * L^2) every tick)
+                "position_ids": ((self.mask.cumsum(1) - 1).clamp(min=0) * self.mask).tolist(),
+                "padding_tokens": int(self.mask.numel() - self.mask.sum()),
                 "staging": {rid: c.get_seq_length() for rid, c in self.staging.items()}}
 
     def check_invariants(self) -> None:
