@@ -29,6 +29,14 @@ QUESTIONS = ["When do you open on Sunday?", "How many books can I borrow?",
              "Do you have e-books?", "What happens if I return a book late?"]
 
 
+PAGED_NOTE = ("Why paged is slower on this CPU: its attention is plain PyTorch, so every layer of "
+              "every step gathers each row's whole history out of the pool into a temporary "
+              "(B, L) batch (`index_select`) before attending, where a fused PagedAttention kernel "
+              "reads the blocks in place; the padded backend appends one column in place to a "
+              "contiguous cache. What paging buys here is memory: nothing stored is padding, and "
+              "equal prefixes share blocks.")
+
+
 def _engine(model, tok, **cfg):
     from .. import Engine, EngineConfig
 
@@ -113,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
            for b, p, q, w in rows]
     md += ["", f"**KV bytes per token**: {bpt:,} B = {cfg.num_hidden_layers} layers × 2 (K, V) × "
            f"{cfg.num_key_value_heads} KV heads × {bpt // (cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * 4)}"
-           " head dim × 4 B (fp32). GQA (3 KV heads for 9 query heads) already cuts it 3x."]
+           " head dim × 4 B (fp32). GQA (3 KV heads for 9 query heads) already cuts it 3x.",
+           "", PAGED_NOTE]
     if not args.no_docs:
         print("wrote", update_section("kv-cache", "\n".join(md)))
 
