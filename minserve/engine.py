@@ -20,6 +20,7 @@ Everything is per-instance: two engines can live side by side in a notebook.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 import traceback
@@ -46,15 +47,15 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, *, model: torch.nn.Module | None = None,
                  tokenizer=None) -> None:
         self.config = config = config or EngineConfig()
-        loaded = model is None
-        if loaded:
+        if model is None:
             model, tokenizer = load_model(config.model, config.dtype, config.device)
         self.model, self.tokenizer = model.eval(), tokenizer
         self.device = next(model.parameters()).device
         self.max_model_len = config.max_model_len or int(model.config.max_position_embeddings)
         self.eos_token_ids = self._eos_ids()
-        self.model_name = config.model or (
-            "SmolLM2-135M-Instruct" if loaded else getattr(model.config, "name_or_path", "") or "custom")
+        # A local folder is named by its last component (no home paths in UIs or /v1/models).
+        name = config.model or getattr(model.config, "name_or_path", "") or "custom"
+        self.model_name = os.path.basename(name.rstrip("/")) if os.path.isdir(name) else name
 
         # K1: the block pool. Default size: every batch row holding up to
         # DEFAULT_MAX_CONTEXT_FOR_BLOCKS tokens. G2's budget defaults to the same number of tokens.
