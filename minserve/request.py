@@ -67,7 +67,6 @@ class RequestTiming:
     first_token: float | None = None
     finished: float | None = None
     prefill_chunks: int = 0
-    token_times: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         def since(t: float | None) -> float | None:

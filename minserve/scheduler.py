@@ -317,7 +317,6 @@ class Scheduler:
         req.output_token_ids.append(tok)
         self.tokens_generated += 1
         now = time.perf_counter()
-        req.timing.token_times.append(now)
         if req.timing.first_token is None:
             req.timing.first_token = now
         hit_stop_string = False
