@@ -16,7 +16,7 @@ the engine's knobs are `EngineConfig`'s fields (`--max-batch-size` /
 in `minserve serve`; the app's own are `--host` / `MINSERVE_APP_HOST` (default
 127.0.0.1: loopback only) and `--port` / `MINSERVE_APP_PORT` (default 7860).
 
-The chat logic lives in `minserve/chat_app.py`; this file is the page and the
+The chat logic lives in `minserve/chat/logic.py`; this file is the page and the
 command line. `build_app(engine)` returns the Gradio Blocks (tests use it with a
 tiny model).
 """
@@ -33,12 +33,12 @@ from pathlib import Path
 
 import gradio as gr
 
-from minserve import viz
-from minserve.chat_app import NOISY_SESSION, ChatApp
+from minserve.chat.logic import NOISY_SESSION, ChatApp
 from minserve.config import EngineConfig
-from minserve.server_cli import CHOICES, engine_config_from_args, engine_knobs
-from minserve.trace import Trace, engine_config
-from minserve.viz_queues import COLUMNS
+from minserve.inspection import viz
+from minserve.inspection.trace import Trace, engine_config
+from minserve.inspection.viz.queues import COLUMNS
+from minserve.server.cli import CHOICES, engine_config_from_args, engine_knobs
 
 APP_DEFAULTS = {"policy": "fair", "max_queue_size": 64, "num_blocks": 256}  # over EngineConfig's
 POLICY_LINES = {

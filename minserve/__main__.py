@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--backend", default="padded", choices=["padded", "paged"])
     d.add_argument("--prefill-chunk-size", type=int, default=0)
     d.set_defaults(fn=demo)
-    from .server_cli import add_serve_arguments, serve  # no web imports until `serve` runs
+    from .server.cli import add_serve_arguments, serve  # no web imports until `serve` runs
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the 'server' extra)",
                        description="Serve the engine over HTTP (OpenAI API). Every engine "

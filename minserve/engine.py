@@ -31,8 +31,9 @@ import torch
 
 from .backends.padded import PaddedBackend
 from .config import EngineConfig
+from .fair import FairPolicy
 from .models import load_model
-from .policies import make_policy
+from .policies import FCFSPolicy, Policy
 from .records import TickRecord
 from .request import Request, RequestOutput
 from .sampling import SamplingParams, make_generator
@@ -41,6 +42,15 @@ from .streaming import RequestHandle
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 DEFAULT_MAX_CONTEXT_FOR_BLOCKS = 1024  # tokens per row assumed when deriving num_blocks
+
+
+def make_policy(name: str, w_in: float = 1.0, w_out: float = 2.0) -> Policy:
+    """Build the policy a config names (FCFS in policies.py, VTC in fair.py)."""
+    if name == "fcfs":
+        return FCFSPolicy()
+    if name == "fair":
+        return FairPolicy(w_in=w_in, w_out=w_out)
+    raise ValueError(f"unknown policy {name!r}; use 'fcfs' or 'fair'")
 
 
 class Engine:

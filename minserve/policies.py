@@ -105,14 +105,3 @@ class FCFSPolicy(Policy):
 
     def __len__(self) -> int:
         return len(self._reqs)
-
-
-def make_policy(name: str, w_in: float = 1.0, w_out: float = 2.0) -> Policy:
-    """Build the policy a config names."""
-    if name == "fcfs":
-        return FCFSPolicy()
-    if name == "fair":
-        from .fair import FairPolicy  # one concept per file: VTC lives in fair.py
-
-        return FairPolicy(w_in=w_in, w_out=w_out)
-    raise ValueError(f"unknown policy {name!r}; use 'fcfs' or 'fair'")

@@ -198,8 +198,8 @@ def test_http_target_streams_from_minserve_serve():
 
     from minserve.bench.targets import OpenAITarget
     from minserve.models import embedded_model_dir, tiny_llama
-    from minserve.server import create_app
-    from minserve.server_cli import BackgroundServer
+    from minserve.server.api import create_app
+    from minserve.server.cli import BackgroundServer
 
     model, tok = tiny_llama(vocab_size=49152), AutoTokenizer.from_pretrained(embedded_model_dir())
     engine = Engine(EngineConfig(device="cpu", max_batch_size=4, block_size=16, num_blocks=8,

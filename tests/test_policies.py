@@ -15,8 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minserve.engine import make_policy
 from minserve.fair import FairPolicy
-from minserve.policies import FCFSPolicy, Policy, make_policy
+from minserve.policies import FCFSPolicy, Policy
 from minserve.request import Request
 from minserve.sampling import SamplingParams
 

@@ -21,8 +21,8 @@ import openai
 import pytest
 
 from minserve import Engine, EngineConfig, SamplingParams
-from minserve.server import create_app
-from minserve.server_cli import BackgroundServer, add_serve_arguments, engine_config_from_args
+from minserve.server.api import create_app
+from minserve.server.cli import BackgroundServer, add_serve_arguments, engine_config_from_args
 
 # Gate-friendly defaults: a 128-token block pool (8 x 16) and a 200-token KV budget,
 # so a 130-token prompt can never pass G3 and prompt + max_tokens > 200 never passes G2.

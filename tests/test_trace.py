@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from minserve import SamplingParams, viz
-from minserve.records import AdmitRecord, DecodeRecord, EvictRecord, PrefillRecord, TickRecord
-from minserve.stepper import Stepper
-from minserve.trace import (
+from minserve import SamplingParams
+from minserve.inspection import viz
+from minserve.inspection.stepper import Stepper
+from minserve.inspection.trace import (
     DECODE,
     FINISHED,
     HELD,
@@ -28,6 +28,7 @@ from minserve.trace import (
     service_by_session,
     snapshot_record,
 )
+from minserve.records import AdmitRecord, DecodeRecord, EvictRecord, PrefillRecord, TickRecord
 
 from .conftest import make_engine
 

@@ -1,4 +1,4 @@
-"""Figures (minserve.viz) drawn from a saved trace: their data must say what the records say.
+"""Figures (minserve.inspection.viz) drawn from a saved trace: their data must say what the records say.
 
 Every figure is rendered from a trace read back from JSON (no model), and its data is
 compared with the records: the mask heatmap's cells are the backend's mask, each block
@@ -15,10 +15,19 @@ from pathlib import Path
 import plotly.graph_objects as go
 import pytest
 
-from minserve import SamplingParams, viz
-from minserve import viz_style as style
-from minserve.stepper import Stepper
-from minserve.trace import DECODE, FINISHED, HELD, PREFILL, Trace, TraceRecorder, request_states
+from minserve import SamplingParams
+from minserve.inspection import viz
+from minserve.inspection.stepper import Stepper
+from minserve.inspection.trace import (
+    DECODE,
+    FINISHED,
+    HELD,
+    PREFILL,
+    Trace,
+    TraceRecorder,
+    request_states,
+)
+from minserve.inspection.viz import style
 
 from .conftest import make_engine
 

@@ -1,6 +1,6 @@
 """Benchmarks: they measure and print figures; tests check behaviour (never timings).
 
-`minserve bench` (issue 8) -- minserve against its peers, one file per concept:
+`minserve bench`: minserve against its peers, one file per concept. An outer layer.
 
     workload.py   the load generator: arrivals (Poisson / gamma / closed loop), lengths, sessions
     targets.py    what a workload is replayed against: the in-process engine, any OpenAI URL
@@ -8,6 +8,7 @@
     metrics.py    TTFT, ITL, TPOT, e2e, throughput, per session, Jain's index, refusals by gate
     overhead.py   a decode tick vs a bare batched forward (the physical floor)
     report.py     JSON, plotly HTML, markdown tables of ratios to minserve
+    runner.py     the building blocks of a run (load, engine, workload, replay, print)
     cli.py        the `minserve bench` command; suite.py: the runs behind docs/benchmarks.md
 
     from minserve.bench.workload import make_workload
@@ -15,6 +16,11 @@
     run = EngineTarget(engine).run(make_workload(32, rate=1.0))
     run.summary()["ttft"]["p99"]
 
-`sched_bench.py` (issue 4) is the scheduling benchmark; `docs_report.py` writes
-each benchmark's own section of docs/benchmarks.md.
+`sched_bench.py` is the scheduling benchmark, `kv_bench.py` the KV-cache one,
+`decode_throughput.py` the decode-throughput one; `docs_report.py` writes each
+benchmark's own section of docs/benchmarks.md.
+
+May import: the core (it builds Engines) and its own modules; `targets.py`
+speaks HTTP to any OpenAI-compatible server (minserve's or another) through
+httpx, never through `minserve.server`. Never imported by the core.
 """

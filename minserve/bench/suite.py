@@ -17,9 +17,9 @@ import os
 import time
 from pathlib import Path
 
-from .cli import _payload, _peers, _print_runs, build_workload, load, make_engine, run_targets
 from .docs_report import machine_line, update_section
 from .report import comparison, markdown_table, write_html, write_json
+from .runner import build_workload, load, make_engine, payload, peer_names, print_runs, run_targets
 
 SECTION = "serving-vs-peers"
 
@@ -34,14 +34,14 @@ def docs_suite(args) -> int:
         args.prompts = "ids"
     engine = make_engine(args, model, tok)
     vocab, out = int(model.config.vocab_size), Path(args.out_dir)
-    peers = _peers(args) if args.peers is not None else ["static", "continuous"]
+    peers = peer_names(args) if args.peers is not None else ["static", "continuous"]
 
     # 1. mixed-length throughput, everything at t=0
     mixed = build_workload(args, tok, vocab, engine.max_model_len, rate=math.inf,
                            concurrency=None)
     runs1 = run_targets(args, mixed, engine, model, tok, peers)
-    _print_runs("mixed-length throughput", mixed, runs1)
-    write_json(out / "docs-mixed.json", _payload(mixed, runs1))
+    print_runs("mixed-length throughput", mixed, runs1)
+    write_json(out / "docs-mixed.json", payload(mixed, runs1))
     write_html(out / "docs-mixed.html", runs1, "mixed-length workload, all at t=0",
                mixed.describe())
     comp1 = comparison(runs1)
@@ -52,10 +52,10 @@ def docs_suite(args) -> int:
     n2 = max(8, (3 * args.num_requests) // 5)
     moderate = build_workload(args, tok, vocab, engine.max_model_len, rate=rate,
                               concurrency=None, num_requests=n2, seed=args.seed + 1)
-    peers2 = _peers(args) if args.peers is not None else []
+    peers2 = peer_names(args) if args.peers is not None else []
     runs2 = run_targets(args, moderate, engine, model, tok, peers2)
-    _print_runs(f"moderate rate ({rate:g} req/s)", moderate, runs2)
-    write_json(out / "docs-rate.json", _payload(moderate, runs2))
+    print_runs(f"moderate rate ({rate:g} req/s)", moderate, runs2)
+    write_json(out / "docs-rate.json", payload(moderate, runs2))
     write_html(out / "docs-rate.html", runs2, f"Poisson arrivals at {rate:g} req/s",
                moderate.describe())
 

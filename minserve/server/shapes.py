@@ -30,7 +30,7 @@ import json
 import time
 from typing import Any
 
-from .request import RequestOutput
+from ..request import RequestOutput
 
 
 def sse(data: dict[str, Any] | str) -> str:

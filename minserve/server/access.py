@@ -13,8 +13,8 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
-from .engine import Engine
-from .server_errors import OpenAIError
+from ..engine import Engine
+from .errors import OpenAIError
 
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 

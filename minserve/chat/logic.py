@@ -28,7 +28,7 @@ import time
 from collections import deque
 from typing import Any
 
-from .sampling import SamplingParams
+from ..sampling import SamplingParams
 
 NOISY_SESSION = "noisy-neighbour"
 NOTICE = "⚠️ "  # starts every message the app (not the model) writes into the chat
@@ -46,12 +46,12 @@ def friendly_refusal(rejection: dict[str, Any]) -> str:
     """A gate's `Rejection.to_dict()` -> what the person in the chat reads.
 
     Whether to suggest a retry comes from the HTTP server's own rule
-    (`server_errors.rejection_response`: only G1 is transient), so both front
+    (`minserve.server.errors.rejection_response`: only G1 is transient), so both front
     ends say the same thing; without the server extra we apply that rule here.
     """
     gate, n = rejection.get("gate"), rejection.get("numbers") or {}
     try:
-        from .server_errors import rejection_response
+        from ..server.errors import rejection_response
 
         retryable = bool(rejection_response(rejection)[1]["error"].get("retryable"))
     except ImportError:  # fastapi not installed: same rule, stated locally

@@ -16,8 +16,8 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from . import trace as tr
-from . import viz_style as style
+from .. import trace as tr
+from . import style
 
 BAR_STATES = ((tr.QUEUED, style.QUEUED), (tr.HELD, style.HELD), (tr.PREFILL, style.PREFILL),
               (tr.PREFILL_WAIT, style.PREFILL_WAIT), (tr.DECODE, style.REAL))

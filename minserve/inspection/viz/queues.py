@@ -19,7 +19,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from . import viz_style as style
+from . import style
 
 COLUMNS = (("pending", "Q1 pending"), ("prefilling", "Q2 prefilling"),
            ("active", "Q3 active (decode batch)"), ("left", "left this tick"))

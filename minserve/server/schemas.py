@@ -26,8 +26,8 @@ from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict
 
-from .sampling import SamplingParams
-from .server_errors import OpenAIError, bad_request
+from ..sampling import SamplingParams
+from .errors import OpenAIError, bad_request
 
 OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 

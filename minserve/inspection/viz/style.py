@@ -1,7 +1,7 @@
 """What every minserve figure shares: colours with one meaning each, and small helpers.
 
-The figures themselves are in viz_queues.py, viz_batch.py and viz_time.py;
-`minserve.viz` is the one module to import.
+The figures themselves are in queues.py, batch.py and timeline.py;
+`minserve.inspection.viz` is the one module to import.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import zlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .trace import Trace
+    from ..trace import Trace
 
 # --- colours: one meaning each, the same in every figure ------------------------------------
 PAD = "#e3e3e3"  # padding / free: nothing there
@@ -56,8 +56,8 @@ def short_id(request_id: str) -> str:
 
 def as_record(rec_or_trace):
     """A TickRecord from a record, a trace (its last tick) or a dict (to_dict / JSON)."""
-    from .records import TickRecord
-    from .trace import Trace, tick_from_dict
+    from ...records import TickRecord
+    from ..trace import Trace, tick_from_dict
 
     if isinstance(rec_or_trace, Trace):
         if not rec_or_trace.ticks:

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .records import AdmitRecord, DecodeRecord, EvictRecord, PrefillRecord, TickRecord
-from .sampling import SamplingParams
+from ..records import AdmitRecord, DecodeRecord, EvictRecord, PrefillRecord, TickRecord
+from ..sampling import SamplingParams
 
 TRACE_VERSION = 1
 

@@ -5,7 +5,7 @@ a saved `Trace`) or a whole `Trace`, and nothing else: no engine, no model, no
 private state. So the same call draws a live engine in a notebook and a trace
 saved last week.
 
-    from minserve import viz
+    from minserve.inspection import viz
     rec = engine.step()
     viz.queues(rec)        # Q1 pending / Q2 prefilling / Q3 active, a card per request
     viz.padding(rec)       # padded backend: attention mask + position ids, one row per request
@@ -16,18 +16,18 @@ saved last week.
     viz.fairness(trace)    # per-session service (and VTC counters) over time
     viz.work(trace)        # tokens through the model per tick (prefill chunks + decode)
 
-The figures live in three files, one concept each: `viz_queues.py` (the
-queues), `viz_batch.py` (the decode batch and the KV block pool) and
-`viz_time.py` (whole-trace figures); `viz_style.py` holds what they share
+The figures live in three files, one concept each: `queues.py` (the
+queues), `batch.py` (the decode batch and the KV block pool) and
+`timeline.py` (whole-trace figures); `style.py` holds what they share
 (colours with one meaning each, labels). This module gathers them.
 """
 
 from __future__ import annotations
 
-from .viz_batch import BLOCK_STATES, batch, block_state, block_tables, kv_blocks, padding
-from .viz_queues import queues
-from .viz_style import as_record, session_colors
-from .viz_time import fairness, timeline, work
+from .batch import BLOCK_STATES, batch, block_state, block_tables, kv_blocks, padding
+from .queues import queues
+from .style import as_record, session_colors
+from .timeline import fairness, timeline, work
 
 __all__ = ["BLOCK_STATES", "as_record", "batch", "block_state", "block_tables", "fairness",
            "kv_blocks", "padding", "queues", "session_colors", "timeline", "work"]

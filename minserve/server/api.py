@@ -37,24 +37,24 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .engine import Engine
-from .server_access import BearerAuth, check_model, model_card, served_model_names
-from .server_errors import (
+from ..engine import Engine
+from ..streaming import RequestHandle, StreamEvent
+from .access import BearerAuth, check_model, model_card, served_model_names
+from .errors import (
     OpenAIError,
     bad_request,
     install_error_handlers,
     rejection_error,
     rejection_response,
 )
-from .server_schemas import (
+from .schemas import (
     OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     GenerationRequest,
     sampling_params,
 )
-from .server_shapes import SSE_DONE, ResponseShaper, sse
-from .streaming import RequestHandle, StreamEvent
+from .shapes import SSE_DONE, ResponseShaper, sse
 
 __all__ = ["create_app", "rejection_response", "served_model_names", "OpenAIError"]
 

@@ -1,6 +1,6 @@
 """A stepper widget: drive one engine a phase or a tick at a time and watch it (ipywidgets).
 
-    from minserve.stepper import Stepper
+    from minserve.inspection.stepper import Stepper
     s = Stepper(engine)              # the engine must be in step mode (no worker running)
     s.add_request(max_tokens=6)      # or the "add request" button
     s                                # shows buttons + figures (in Jupyter)
@@ -25,9 +25,9 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from ..records import TickRecord
+from ..sampling import SamplingParams
 from . import viz
-from .records import TickRecord
-from .sampling import SamplingParams
 from .trace import TraceRecorder, describe_phase, describe_tick, snapshot_record
 
 PHASES = ("admit_pending", "advance_prefill_chunk", "evict_finished", "decode_step")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from . import viz_style as style
+from . import style
 
 CELL_TEXT_MAX_COLS = 48  # wider batches drop the numbers inside the cells
 

@@ -29,7 +29,7 @@ import time
 import typing
 from typing import Any
 
-from .config import BACKENDS, DTYPES, POLICIES, EngineConfig, PrefillMode
+from ..config import BACKENDS, DTYPES, POLICIES, EngineConfig, PrefillMode
 
 CHOICES = {"policy": POLICIES, "backend": BACKENDS, "dtype": DTYPES,
            "prefill_mode": tuple(m.value for m in PrefillMode)}
@@ -122,8 +122,8 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     import uvicorn
 
-    from .engine import Engine
-    from .server import create_app
+    from ..engine import Engine
+    from .api import create_app
 
     print(f"loading {config.model or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr)
     engine = Engine(config)
