@@ -284,11 +284,18 @@ class Scheduler:
         streamed at once. A row that hits EOS / stop / max_tokens gets its
         finish reason here and is evicted by the next tick's T3.
 
-        After: every active row has exactly one more output token.
+        Before: T3 ran, so no row in `active` is finished (T5); a finished row
+        here raises instead of being skipped, so a reordered tick cannot pass
+        unnoticed. After: every active row has exactly one more output token.
         """
         rec = DecodeRecord()
         with self.lock:
-            rows = [r for r in self.active if r.finish_reason is None]
+            finished = [r.request_id for r in self.active if r.finish_reason is not None]
+            if finished:  # T5 broken: no silent skip, or a reordered tick would go unnoticed
+                raise RuntimeError(
+                    f"T5: decode_step found finished rows {finished} in `active`; run "
+                    "evict_finished before decode_step (a finished row is never decoded again)")
+            rows = list(self.active)
             if not rows:
                 rec.kv_length = self.backend.kv_length
                 return rec
