@@ -18,12 +18,26 @@ next position is its count of real tokens), never from the column index.
 
 Splice-in (SPEC C3): a freshly prefilled row (its own batch-1 cache of n
 tokens) joins by left-padding whichever side is shorter, then concatenating
-along the batch dimension. Removal selects the remaining rows and trims
-leading columns that became padding in every row.
+along the batch dimension. Removal selects the remaining rows and (with
+`trim_on_remove`, the default) trims leading columns that became padding in
+every row.
 
 R3: the mask's own width is the truth for its shape. We assert it equals the
 cache's width after every change; we never size the mask from a backend
-metric.
+metric. `kv_length` is such a metric: the longest row's real KV, the same
+meaning as in the paged backend. The two differ whenever leading columns are
+padding in every row, e.g. with `trim_on_remove=False` after the longest row
+left:
+
+    before: a 8 tokens, b 3, c 5          after a leaves (no trim)
+    a [ k k k k k k k k ]                 b [ . . . . . k k k ]   mask width 8
+    b [ . . . . . k k k ]                 c [ . . . k k k k k ]   kv_length  5
+    c [ . . . k k k k k ]
+
+A new row spliced in with a width taken from kv_length (5) would be
+concatenated against an 8-column batch: `torch.cat` fails and, on the
+worker thread, kills every stream. That is the mixed-workload crash R3
+records; `tests/test_padded_backend.py` rebuilds it.
 """
 
 from __future__ import annotations
@@ -91,7 +105,7 @@ def _in_place_layer_class():
 class PaddedBackend(Backend):
     name = "padded"
 
-    def __init__(self, model: torch.nn.Module, storage=None) -> None:
+    def __init__(self, model: torch.nn.Module, storage=None, trim_on_remove: bool = True) -> None:
         from transformers import DynamicCache
 
         self._DynamicCache = DynamicCache
@@ -104,6 +118,10 @@ class PaddedBackend(Backend):
         self.row_ids: list[str] = []  # decode batch order: row i is request row_ids[i]
         self.cache = None  # batched DynamicCache, (B, H_kv, L, D) per layer
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # (B, L)
+        # Drop the leading columns that are padding in every row when a row leaves. Off,
+        # the batch keeps its width until it empties: more padding computed over (watch
+        # it in notebook 02), and mask width > kv_length, the situation R3 is about.
+        self.trim_on_remove = trim_on_remove
         self._in_place_layer = None  # the InPlaceLayer class, once built
 
     # --- prefill side --------------------------------------------------------------------
@@ -193,8 +211,10 @@ class PaddedBackend(Backend):
         self.mask = self.mask[idx]
         # Columns that are padding in every remaining row hold nothing: trim them
         # (e.g. the longest row just left). Width comes from the mask itself (R3).
-        real_cols = self.mask.sum(dim=0).nonzero()
-        first = int(real_cols[0]) if len(real_cols) else self.mask.shape[1]
+        first = 0
+        if self.trim_on_remove:
+            real_cols = self.mask.sum(dim=0).nonzero()
+            first = int(real_cols[0]) if len(real_cols) else self.mask.shape[1]
         self.mask = self.mask[:, first:]
         for layer in self.cache.layers:
             layer.keys = layer.keys[idx, :, first:]
@@ -204,7 +224,13 @@ class PaddedBackend(Backend):
     # --- metrics and checks ----------------------------------------------------------------
     @property
     def kv_length(self) -> int:
-        return 0 if self.cache is None else self.cache.get_seq_length()
+        """The longest row's real KV, in tokens: a metric (R3), <= the mask's width."""
+        return int(self.mask.sum(dim=1).max()) if self.mask.numel() else 0
+
+    @property
+    def width(self) -> int:
+        """Columns of the batched KV and of the mask (real + padding), (B, H_kv, L, D)."""
+        return self.mask.shape[1]
 
     @property
     def num_rows(self) -> int:
@@ -216,7 +242,8 @@ class PaddedBackend(Backend):
     def snapshot(self) -> dict[str, Any]:
         """Plain lists for figures: the mask and the next position id of every row."""
         mask = self.mask.tolist()
-        return {"name": self.name, "kv_length": self.kv_length, "num_rows": self.num_rows,
+        return {"name": self.name, "kv_length": self.kv_length, "width": self.width,
+                "num_rows": self.num_rows,
                 "row_ids": list(self.row_ids), "attention_mask": mask,
                 # a real column's position = real columns up to it - 1; padding -> 0.
                 # (cumsum in torch: the Python double loop was O(B * L^2) every tick)

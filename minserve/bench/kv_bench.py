@@ -74,7 +74,7 @@ def decode_ticks(model, tok, backend: str, batch: int, new_tokens: int) -> tuple
     engine.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
     dec = [r for r in engine.trace if r.decode.rows and not r.prefill.chunks
            and len(r.decode.rows) == batch]
-    waste = [r.backend["padding_tokens"] / (len(r.decode.rows) * r.backend["kv_length"])
+    waste = [r.backend["padding_tokens"] / (len(r.decode.rows) * r.backend["width"])
              for r in dec if "padding_tokens" in r.backend]
     return statistics.mean(r.duration_s for r in dec), (statistics.mean(waste) if waste else 0.0)
 
