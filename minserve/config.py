@@ -18,7 +18,7 @@ from enum import Enum
 class PrefillMode(str, Enum):
     """How a prompt's tokens get through the model (SPEC C1, C2)."""
 
-    MONOLITHIC = "monolithic"  # the whole prompt in one forward pass, on the tick after admit
+    MONOLITHIC = "monolithic"  # the whole prompt in one forward pass, in the tick of admission
     CHUNKED = "chunked"  # Version A: one chunk of `prefill_chunk_size` per tick, its own pass
     MIXED_BATCH = "mixed_batch"  # Version B (Sarathi-Serve): chunk + decode rows in ONE pass
     DISAGGREGATED = "disaggregated"  # prefill and decode on different workers (DistServe)
@@ -92,7 +92,9 @@ class EngineConfig:
              f"prefill_chunk_size={self.prefill_chunk_size!r}; use 0 (no chunking) or an int >= 1")
 
         # C2: an empty mode is derived from the chunk size.
-        if self.prefill_mode in ("", None):
+        # Remembered (a plain attribute, not a field) so that `replace` derives it again.
+        self._derived_prefill_mode = self.prefill_mode in ("", None)
+        if self._derived_prefill_mode:
             self.prefill_mode = "chunked" if self.prefill_chunk_size > 0 else "monolithic"
         modes = [m.value for m in PrefillMode]
         need(self.prefill_mode in modes, f"prefill_mode={self.prefill_mode!r}; use one of {modes}")
@@ -109,7 +111,11 @@ class EngineConfig:
         return PrefillMode(self.prefill_mode)
 
     def replace(self, **changes) -> EngineConfig:
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again). A prefill mode that was
+        derived (C2) is derived again, so `replace(prefill_chunk_size=16)` on a default
+        config gives chunked prefill, not monolithic with an unused chunk size."""
+        if self._derived_prefill_mode and "prefill_mode" not in changes:
+            changes["prefill_mode"] = ""
         return dataclasses.replace(self, **changes)
 
 

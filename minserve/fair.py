@@ -69,15 +69,22 @@ class FairPolicy(Policy):
     Lifting a newcomer to that counter would give it exactly the burst the
     lift is there to prevent.
 
-    **When nobody waits (minserve's choice).** The reference code then leaves
+    **When nobody waits (the paper's rule).** The reference code then leaves
     the counter alone. But then the clock can jump back: a newcomer at 0 on
     an idle queue sets V = 0, and a session that returns later with its
     counter near the old V must wait while the newcomer catches up, however
     long ago the old V was reached. In the simulation in
     `tests/test_policies.py` two waiting sessions drifted up to 21*U apart
-    this way. So when the last waiting request of a tier leaves, its session's
-    counter (which *was* V at that moment) is remembered as the tier's clock,
-    and a request arriving on an empty tier is lifted to that.
+    this way. The paper's algorithm (VTC, Algorithm 2) lifts a newcomer on an
+    empty queue to the counter of the client that last left the queue, the
+    last one served, as that counter stands *now*. minserve does that: when
+    the last waiting request of a tier leaves, its session is remembered, and
+    a request arriving on an empty tier is lifted to that session's current
+    counter. (An earlier minserve remembered the counter's value at the moment
+    it left instead. Charges come after admission, so that value was the
+    session's counter *before* it ran: alice admitted at 0 and then served
+    1,000 tokens would lift a newcomer to 0, and the newcomer would then take
+    1,000 tokens' worth of turns ahead of alice's next request.)
 
     **Priority tiers.** V is kept per priority tier: "nothing waiting", the
     least counter and the remembered clock all look only at requests of the
@@ -134,7 +141,7 @@ class FairPolicy(Policy):
         self.served: dict[str, dict[str, int]] = {}  # session -> real tokens, for stats
         self._waiting: list[Request] = []  # in arrival order; the key decides the head
         self._peeked: Request | None = None  # what the last peek_next returned
-        self._clock: dict[int, float] = {}  # tier -> V when its waiting list last emptied
+        self._last_left: dict[int, str] = {}  # tier -> session of the last request to leave it
 
     def key(self, req: Request) -> tuple[int, float, int]:
         """P2: higher priority first, then the least-served session, then FIFO."""
@@ -149,8 +156,10 @@ class FairPolicy(Policy):
         # the sessions `req` competes with: those waiting in its priority tier
         rivals = {r.session_id for r in self._waiting if r.priority == tier}
         if s not in rivals:
-            clock = min((self.counters[r] for r in rivals), default=self._clock.get(tier))
-            if clock is not None:  # None: this tier has never had anyone waiting
+            last = self._last_left.get(tier)  # None: this tier has never had anyone waiting
+            clock = min((self.counters[r] for r in rivals),
+                        default=None if last is None else self.counters[last])
+            if clock is not None:
                 self.counters[s] = max(self.counters[s], clock)
         self._waiting.append(req)
 
@@ -178,9 +187,9 @@ class FairPolicy(Policy):
             self._peeked = None
         if not any(r.priority == req.priority for r in self._waiting):
             # The tier is empty now. Its last waiting session held the least
-            # counter, so that counter is the clock V. Remember it for the next
-            # arrival (see "When nobody waits").
-            self._clock[req.priority] = self.counters.get(req.session_id, 0.0)
+            # counter: its counter, as it grows while that session is served, is
+            # the clock V for the next arrival (see "When nobody waits").
+            self._last_left[req.priority] = req.session_id
 
     def on_tokens_processed(self, req: Request, prompt_tokens: int, output_tokens: int) -> None:
         """P3: charge the session for the work just done on `req`."""

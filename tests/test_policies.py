@@ -178,14 +178,17 @@ def test_fair_returning_idle_session_is_lifted_up():
     bs = [make_req(1 + i, "b", prompt=50) for i in range(4)]
     for r in bs:
         p.on_request_arrived(r)
+    # b arrived on an empty queue: lifted to a's 12 (a was served last)
     for _ in range(2):
-        serve(p, admit(p))  # b: 2 * (50 + 8) = 116, still waiting
+        serve(p, admit(p))  # b: 12 + 2 * (50 + 8) = 128, still waiting
     p.on_request_arrived(make_req(9, "a"))
-    assert p.stats()["counters"]["a"] == 116
+    assert p.stats()["counters"]["a"] == 128
 
 
-def test_fair_arrival_on_an_empty_queue_is_lifted_to_where_the_queue_left_off():
-    """P4 when nobody waits: the clock V is remembered, so it never runs backwards."""
+def test_fair_arrival_on_an_empty_queue_is_lifted_to_the_last_served_sessions_counter():
+    """P4 when nobody waits (VTC, Algorithm 2): lift to the current counter of the
+    session that last left the queue, so the clock never runs backwards and a
+    newcomer gets no catch-up burst over a session that was served meanwhile."""
     p = FairPolicy()
     a = [make_req(i, "a") for i in range(3)]
     for r in a:
@@ -194,11 +197,14 @@ def test_fair_arrival_on_an_empty_queue_is_lifted_to_where_the_queue_left_off():
         serve(p, admit(p))  # each: 4 + 2*4 = 12; a had 24 when its last request left
     assert len(p) == 0 and p.stats()["counters"]["a"] == 36
     p.on_request_arrived(make_req(3, "new"))  # nobody waits
-    assert p.stats()["counters"]["new"] == 24  # not 0, and not a's 36 either
+    # a's counter now (36), not 24 (a's counter when its last request was admitted,
+    # before that request was charged), and not 0
+    assert p.stats()["counters"]["new"] == 36
     p.on_request_arrived(make_req(4, "a"))
     p.on_request_arrived(make_req(5, "new"))
-    # "new" is ahead by a's last request only. At 0 it would be ahead by all three.
-    assert [admit(p).session_id for _ in range(3)][:2] == ["new", "new"]
+    # a tie at 36: plain arrival order, then new pays for its first request. Lifted to
+    # 24 (or 0) instead, "new" would take two (or all) turns ahead of a.
+    assert [admit(p).session_id for _ in range(3)] == ["new", "a", "new"]
 
 
 def test_fair_first_arrival_in_a_fresh_tier_keeps_its_counter():
@@ -211,10 +217,12 @@ def test_fair_first_arrival_in_a_fresh_tier_keeps_its_counter():
 
 def test_fair_priority_tier_beats_counters():
     p = FairPolicy()
-    rich = make_req(0, "rich", prompt=500)
+    rich, poor0 = make_req(0, "rich", prompt=500), make_req(1, "poor")
     p.on_request_arrived(rich)
-    serve(p, admit(p))  # rich has been served a lot
-    poor, rich_urgent = make_req(1, "poor"), make_req(2, "rich", priority=1)
+    p.on_request_arrived(poor0)
+    serve(p, admit(p))  # rich has been served a lot (508) ...
+    serve(p, admit(p))  # ... poor a little (12)
+    poor, rich_urgent = make_req(2, "poor"), make_req(3, "rich", priority=1)
     p.on_request_arrived(poor)
     p.on_request_arrived(rich_urgent)
     assert p.stats()["counters"]["rich"] > p.stats()["counters"]["poor"]

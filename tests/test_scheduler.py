@@ -140,3 +140,17 @@ def test_config_rejects_unknown_and_unbuilt_modes():
         EngineConfig(max_batch=3)
     assert EngineConfig(prefill_chunk_size=16).prefill_mode == "chunked"
     assert EngineConfig().prefill_mode == "monolithic"
+
+
+def test_config_replace_derives_a_derived_prefill_mode_again():
+    """C2: an empty mode follows the chunk size, also through `replace`."""
+    base = EngineConfig()
+    assert base.replace(prefill_chunk_size=16).prefill_mode == "chunked"
+    assert base.replace(prefill_chunk_size=16).replace(prefill_chunk_size=0).prefill == "monolithic"
+    # a mode that was named stays named (and a contradiction fails loudly)
+    named = EngineConfig(prefill_mode="monolithic")
+    assert named.replace(max_batch_size=2).prefill_mode == "monolithic"
+    with pytest.raises(ValueError, match="chunked"):
+        EngineConfig(prefill_mode="chunked", prefill_chunk_size=8).replace(prefill_chunk_size=0)
+    import dataclasses
+    assert "_derived_prefill_mode" not in dataclasses.asdict(base)  # not a knob
