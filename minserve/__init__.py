@@ -3,6 +3,11 @@
 Public surface (SPEC §10): `Engine`, `EngineConfig`, `SamplingParams`, and the
 request/output types. Everything else is importable but internal: read it, step
 it, draw it — its shape may change.
+
+The modules at this level (and `backends/`) are the engine core; the outer layers
+are subpackages that import the core and never the other way round: `server/`
+(OpenAI HTTP API), `inspection/` (traces, figures, stepper), `chat/` (the Gradio
+demo's logic), `bench/`. SPEC ids (Q1, T5, G3, ...) are explained in docs/spec.md.
 """
 
 from .config import EngineConfig, PrefillMode
