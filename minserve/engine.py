@@ -23,7 +23,6 @@ import itertools
 import os
 import threading
 import time
-import traceback
 from collections.abc import Sequence
 from typing import Any, Union
 
@@ -99,7 +98,6 @@ class Engine:
         self._worker: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self.last_error: str | None = None
         self.last_tick_at: float | None = None  # time.monotonic() of the worker's last loop
         self.trace: list[TickRecord] | None = None  # set to [] to record every tick
 
@@ -246,9 +244,23 @@ class Engine:
                     self._wake.clear()
                     continue
                 self.step()
-            except Exception:  # keep serving: fail the rows in flight, report the error
-                self.last_error = traceback.format_exc()
-                self.scheduler.fail_all("engine error: " + self.last_error.strip().splitlines()[-1])
+            except Exception as e:  # keep serving: fail the rows in flight, report the error
+                self.recover(e)
+
+    def recover(self, exc: BaseException) -> int:
+        """What the worker does when a tick raises outside any one row (a policy's
+        peek, a bug): log the traceback, fail the rows in flight so everything they
+        held goes back (R1, R2), keep serving. Returns how many rows failed."""
+        from .scheduler import log, row_error
+
+        log.error("a tick raised; failing the rows in flight", exc_info=exc)
+        self.scheduler.last_error = row_error("a tick", exc)
+        return self.scheduler.fail_all(self.scheduler.last_error)
+
+    @property
+    def last_error(self) -> str | None:
+        """The newest error, one line (the traceback is in the `minserve` log)."""
+        return self.scheduler.last_error
 
     def __enter__(self) -> Engine:
         return self.start()

@@ -20,6 +20,7 @@ class AdmitRecord:
     held: dict[str, Any] | None = None  # {request_id, rejection} of the soft-held head, if any
     rejected: list[dict[str, Any]] = field(default_factory=list)  # {request_id, rejection}
     cancelled: list[str] = field(default_factory=list)  # dropped from pending after a cancel
+    failed: list[dict[str, Any]] = field(default_factory=list)  # {request_id, error}: admission raised
 
 
 @dataclass
@@ -29,6 +30,7 @@ class PrefillRecord:
     chunks: list[dict[str, Any]] = field(default_factory=list)
     # each: {request_id, start, end, final, first_token (on the final chunk)}
     promoted: list[str] = field(default_factory=list)  # rows that entered `active`
+    failed: list[dict[str, Any]] = field(default_factory=list)  # {request_id, error}: its piece raised
 
 
 @dataclass
@@ -48,6 +50,7 @@ class DecodeRecord:
     positions: dict[str, int] = field(default_factory=dict)  # position id each new token was fed at
     finished: dict[str, str] = field(default_factory=dict)  # request_id -> finish reason (evicted next tick)
     kv_length: int = 0  # backend metric after the step
+    failed: list[dict[str, Any]] = field(default_factory=list)  # {request_id, error}: forward or sampling raised
 
 
 @dataclass

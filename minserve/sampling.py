@@ -74,7 +74,12 @@ class Sampler:
         """One row (V,) -> one token id."""
         if p.greedy:
             return int(torch.argmax(logits).item())
-        logits = logits.float() / p.temperature
+        logits = logits.float()
+        if not bool(torch.isfinite(logits).any()):
+            raise ValueError("the model produced no finite logit for this row")
+        # Shift so the largest logit is 0 *before* dividing: a tiny temperature (1e-40)
+        # then sends the others to -inf (probability 0) instead of inf - inf = NaN.
+        logits = (logits - logits.max()) / p.temperature
         if p.top_k and p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))

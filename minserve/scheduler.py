@@ -31,6 +31,7 @@ subtractor: it would live next to `_release`.)
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -42,6 +43,8 @@ from .policies import Policy
 from .records import AdmitRecord, DecodeRecord, EvictRecord, PrefillRecord, TickRecord
 from .request import FinishReason, Rejection, Request, RequestOutput, RequestStatus
 from .sampling import Sampler
+
+log = logging.getLogger("minserve")
 
 
 class Scheduler:
@@ -64,6 +67,9 @@ class Scheduler:
         self.kv_admit_blocked = {"G1": 0, "G2": 0, "G3": 0, "batch": 0}
         self.rejected = {"G1": 0, "G2": 0, "G3": 0}
         self.finished_count = 0
+        self.failed_rows = 0  # rows ended by an error of their own (failure isolation)
+        self.hook_errors = 0  # policy cleanup hooks that raised (the request still ended)
+        self.last_error: str | None = None  # one line, no traceback (that goes to the log)
         self.tokens_generated = 0
         self.prompt_tokens_computed = 0
 
@@ -79,7 +85,14 @@ class Scheduler:
                 return rejection
             req.status = RequestStatus.PENDING
             self.requests[req.request_id] = req
-            self.policy.on_request_arrived(req)
+            try:
+                self.policy.on_request_arrived(req)
+            except Exception as e:  # the policy refused to take it: it never entered Q1
+                if any(r is req for r in self.policy):
+                    self.policy.remove(req)
+                self._note_row_error(req, "enqueue", e)
+                self._finish(req, FinishReason.ERROR, error=req.error)
+                raise
         return None
 
     def cancel(self, request_id: str) -> bool:
@@ -141,9 +154,12 @@ class Scheduler:
                     self._finish(req, FinishReason.ERROR, rejection=rejection)
                     rec.rejected.append({"request_id": req.request_id, "rejection": rejection.to_dict()})
                     continue
-                self._admit(req)
-                rec.admitted.append({"request_id": req.request_id, "reserved": req.reserved_tokens,
-                                     "cached_tokens": req.num_cached_tokens})
+                reserved = req.kv_need
+                if self._admit(req):
+                    rec.admitted.append({"request_id": req.request_id, "reserved": reserved,
+                                         "cached_tokens": req.num_cached_tokens})
+                else:
+                    rec.failed.append({"request_id": req.request_id, "error": req.error})
         return rec
 
     def _run_gates(self, req: Request) -> Rejection | None:
@@ -178,17 +194,24 @@ class Scheduler:
         return sum(bm.num_blocks_for(r.kv_need) - len(bm.block_table(r.request_id))
                    for r in self.prefilling + self.active)
 
-    def _admit(self, req: Request) -> None:
+    def _admit(self, req: Request) -> bool:
+        """Reserve, allocate, open the staging row. All or nothing: if any step raises,
+        what was taken is given back and the request fails alone (returns False)."""
         req.status = RequestStatus.PREFILLING
         req.reserved_tokens = req.kv_need
         self.active_kv_reserved += req.reserved_tokens  # R1: admit adds
-        if self.block_manager is not None:
-            req.num_cached_tokens = self.block_manager.allocate_prompt(req.request_id,
-                                                                        req.prompt_token_ids)
-        req.num_computed_prompt_tokens = req.num_cached_tokens
         req.timing.admitted = time.perf_counter()
-        self.backend.begin_prefill(req)
-        self.prefilling.append(req)
+        self.prefilling.append(req)  # first, so that a failure below is released like any row
+        try:
+            if self.block_manager is not None:
+                req.num_cached_tokens = self.block_manager.allocate_prompt(req.request_id,
+                                                                            req.prompt_token_ids)
+            req.num_computed_prompt_tokens = req.num_cached_tokens
+            self.backend.begin_prefill(req)
+        except Exception as e:
+            self._fail_row(req, "admission", e)
+            return False
+        return True
 
     # ---------------------------------------------------------------- T2
     def advance_prefill_chunk(self) -> PrefillRecord:
@@ -215,32 +238,45 @@ class Scheduler:
                     break
                 start = req.num_computed_prompt_tokens
                 end = req.prompt_len if budget is None else min(req.prompt_len, start + budget)
-                logits = self.backend.prefill_chunk(req, start, end)
-                req.num_computed_prompt_tokens = end
-                req.timing.prefill_chunks += 1
-                self.prompt_tokens_computed += end - start
                 if budget is not None:
                     budget -= end - start
-                final = end == req.prompt_len
-                chunk = {"request_id": req.request_id, "start": start, "end": end,
-                         "final": final, "first_token": None}
-                if final:
-                    if self.block_manager is not None:
-                        self.block_manager.mark_computed(req.request_id, req.prompt_token_ids, end)
-                    chunk["first_token"] = self._append_token(req, logits)
-                    self._promote_to_decode(req)
+                try:
+                    chunk = self._prefill_piece(req, start, end)
+                except Exception as e:  # this row's piece failed: it fails alone
+                    self._fail_row(req, "prefill", e)
+                    rec.failed.append({"request_id": req.request_id, "error": req.error})
+                    continue
+                if chunk["final"]:
                     rec.promoted.append(req.request_id)
-                with self.queue_lock:  # P3: the chunk's prompt tokens (+ the first output token)
-                    self.policy.on_tokens_processed(req, end - start, 1 if final else 0)
                 rec.chunks.append(chunk)
         return rec
+
+    def _prefill_piece(self, req: Request, start: int, end: int) -> dict[str, Any]:
+        """prompt[start:end] through the model; on the final piece, the first token and
+        the promotion to decode."""
+        logits = self.backend.prefill_chunk(req, start, end)
+        req.num_computed_prompt_tokens = end
+        req.timing.prefill_chunks += 1
+        self.prompt_tokens_computed += end - start
+        final = end == req.prompt_len
+        chunk = {"request_id": req.request_id, "start": start, "end": end,
+                 "final": final, "first_token": None}
+        if final:
+            if self.block_manager is not None:
+                self.block_manager.mark_computed(req.request_id, req.prompt_token_ids, end)
+            chunk["first_token"] = self._append_token(req, logits)
+        with self.queue_lock:  # P3: the chunk's prompt tokens (+ the first output token)
+            self.policy.on_tokens_processed(req, end - start, 1 if final else 0)
+        if final:
+            self._promote_to_decode(req)
+        return chunk
 
     def _promote_to_decode(self, req: Request) -> None:
         """The one seam through which every completed prefill enters the decode
         batch (SPEC C3). Under P/D disaggregation, the KV transfer from the
         prefill worker would go here; nothing else would change."""
+        self.backend.promote(req)  # first: if it raises, the row is still in `prefilling`
         self.prefilling.remove(req)
-        self.backend.promote(req)
         req.status = RequestStatus.ACTIVE
         self.active.append(req)
 
@@ -261,8 +297,8 @@ class Scheduler:
                         req.finish_reason = FinishReason.CANCELLED
                     if req.finish_reason is None:
                         continue
-                    queue.remove(req)
                     released = self._release(req)
+                    queue.remove(req)
                     rec.evicted.append({"request_id": req.request_id, "from_queue": name,
                                         "finish_reason": req.finish_reason.value,
                                         "released_tokens": released})
@@ -270,13 +306,33 @@ class Scheduler:
         return rec
 
     def _release(self, req: Request) -> int:
-        """Give back everything a running request holds. The ONLY subtractor of R1."""
-        self.backend.remove_row(req)
-        if self.block_manager is not None:
-            self.block_manager.free(req.request_id)
+        """Give back everything a running request holds. The ONLY subtractor of R1.
+
+        Idempotent, accounting first: if the backend raises while dropping the row,
+        the reservation and blocks are already back, and a second call (fail_all's)
+        only retries the backend."""
         released, req.reserved_tokens = req.reserved_tokens, 0
         self.active_kv_reserved -= released
+        if self.block_manager is not None:
+            self.block_manager.free(req.request_id)
+        self.backend.remove_row(req)
         return released
+
+    def _fail_row(self, req: Request, where: str, exc: BaseException) -> None:
+        """One running row failed (its admission, prefill piece, sampling, charge): end it
+        alone and give back what it held. The other rows keep going."""
+        for queue in (self.prefilling, self.active):
+            if any(r is req for r in queue):
+                self._release(req)
+                queue.remove(req)
+        self._note_row_error(req, where, exc)
+        self._finish(req, FinishReason.ERROR, error=req.error)
+
+    def _note_row_error(self, req: Request, where: str, exc: BaseException) -> None:
+        """Count it, keep one line for stats and the client, the traceback for the log."""
+        self.failed_rows += 1
+        req.error = self.last_error = row_error(where, exc)
+        log.error("request %s failed in %s", req.request_id, where, exc_info=exc)
 
     # ---------------------------------------------------------------- T4
     def decode_step(self) -> DecodeRecord:
@@ -304,16 +360,28 @@ class Scheduler:
                     self.block_manager.append_slots(r.request_id, r.num_tokens)
             feed = [r.output_token_ids[-1] for r in rows]
             rec.positions = {r.request_id: r.num_tokens - 1 for r in rows}
-            logits = self.backend.decode_step_batched(rows, feed)  # (B, V)
+            try:
+                logits = self.backend.decode_step_batched(rows, feed)  # (B, V)
+            except Exception as e:  # one forward for all rows: each of them failed
+                for req in rows:
+                    self._fail_row(req, "decode forward", e)
+                    rec.failed.append({"request_id": req.request_id, "error": req.error})
+                rec.kv_length = self.backend.kv_length
+                return rec
             for req, row_logits in zip(rows, logits):
-                tok = self._append_token(req, row_logits)
+                try:
+                    tok = self._append_token(req, row_logits)
+                    with self.queue_lock:
+                        self.policy.on_tokens_processed(req, 0, 1)
+                except Exception as e:  # this row's sampling or charge failed: it alone
+                    req.finish_reason = FinishReason.ERROR
+                    self._note_row_error(req, "decode", e)
+                    rec.failed.append({"request_id": req.request_id, "error": req.error})
+                    continue  # T3 evicts it next tick, like any finished row
                 rec.rows.append(req.request_id)
                 rec.tokens[req.request_id] = tok
                 if req.finish_reason is not None:
                     rec.finished[req.request_id] = req.finish_reason.value
-            with self.queue_lock:
-                for req in rows:
-                    self.policy.on_tokens_processed(req, 0, 1)
             rec.kv_length = self.backend.kv_length
         return rec
 
@@ -344,13 +412,18 @@ class Scheduler:
         req.timing.finished = time.perf_counter()
         with self.queue_lock:
             self.requests.pop(req.request_id, None)
-            if req.timing.admitted is not None:  # it was admitted, so the policy saw it run
-                self.policy.on_request_finished(req)
+            try:
+                if req.timing.admitted is not None:  # it was admitted, so the policy saw it run
+                    self.policy.on_request_finished(req)
+            except Exception as e:  # the policy's cleanup failed: the client still gets its end
+                self.hook_errors += 1
+                self.last_error = row_error("on_request_finished", e)
+                log.error("policy hook on_request_finished raised", exc_info=e)
         self.finished_count += 1
         if req.handle is not None:
             out = RequestOutput.from_request(req, req.handle.text)
             req.handle._finish(out, reason.value,
-                               rejection=rejection.to_dict() if rejection else None, error=error)
+                               rejection=rejection.to_dict() if rejection else None, error=req.error)
 
     def fail_all(self, error: str) -> int:
         """A forward pass raised: end every running request with an error and give
@@ -359,8 +432,8 @@ class Scheduler:
         with self.lock:
             for queue in (self.prefilling, self.active):
                 for req in list(queue):
-                    queue.remove(req)
                     self._release(req)
+                    queue.remove(req)
                     self._finish(req, FinishReason.ERROR, error=error)
                     n += 1
         return n
@@ -449,6 +522,7 @@ class Scheduler:
             "kv_admit_blocked": dict(self.kv_admit_blocked),
             "rejected": dict(self.rejected),
             "finished": self.finished_count,
+            "failed_rows": self.failed_rows,
             "tokens_generated": self.tokens_generated,
             "prompt_tokens_computed": self.prompt_tokens_computed,
             "kv_length": self.backend.kv_length,
@@ -463,3 +537,10 @@ class Scheduler:
         else:
             s["kv_pressure"] = self.active_kv_reserved / self.kv_budget_tokens
         return s
+
+
+def row_error(where: str, exc: BaseException) -> str:
+    """What a client is told when its row failed: the phase and the exception, one
+    line, no traceback (the worker's log keeps that)."""
+    msg = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    return f"engine error in {where}: {type(exc).__name__}" + (f": {msg}" if msg else "")

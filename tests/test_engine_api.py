@@ -144,3 +144,17 @@ def test_two_engines_live_side_by_side(tiny_model):
     b.generate([[3, 4]], SamplingParams(max_tokens=2))
     assert a.stats()["queues"]["pending"] == 1 and b.stats()["queues"]["pending"] == 0
     assert torch.is_tensor(next(a.model.parameters()))
+
+
+def test_a_tiny_positive_temperature_samples_like_greedy_and_fails_nobody(tiny_model):
+    """1e-40 is inside the accepted range: logits / T overflowed to inf - inf = NaN, the
+    sampler raised on the worker and every row in flight ended with an error."""
+    engine = make_engine(tiny_model, max_batch_size=3)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    params = [SamplingParams(max_tokens=6, temperature=1e-40, seed=1),
+              SamplingParams(max_tokens=6), SamplingParams(max_tokens=6, temperature=0.7, seed=2)]
+    outs = engine.generate(prompts, params)
+    assert [o.finish_reason for o in outs] != ["error"] * 3
+    assert all(o.finish_reason in ("length", "stop") for o in outs)
+    assert outs[0].token_ids == hf_greedy(tiny_model, prompts[0], 6)[:len(outs[0].token_ids)]
+    assert outs[1].token_ids == hf_greedy(tiny_model, prompts[1], 6)
