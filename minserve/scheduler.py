@@ -163,12 +163,12 @@ class Scheduler:
         return rec
 
     def _run_gates(self, req: Request) -> Rejection | None:
-        rows = len(self.prefilling) + len(self.active)
-        r = gates.check_kv_budget(req.kv_need, self.active_kv_reserved, self.kv_budget_tokens)
-        if r is not None and r.hard:
-            return r  # report "never fits" even when the batch is also full
-        r = r or gates.batch_slot_hold(rows, self.config.max_batch_size)
-        if r is None and self.block_manager is not None:
+        """The head's verdict: a hard reject first (it can never fit: refuse it at once,
+        never hold it behind a full batch or another gate's soft hold, G4), then the
+        soft holds: G2's reservation, a batch row, G3's free blocks."""
+        g2 = gates.check_kv_budget(req.kv_need, self.active_kv_reserved, self.kv_budget_tokens)
+        g3 = None
+        if self.block_manager is not None:
             bm = self.block_manager
             # The paged backend's KV keeps growing into the pool while it decodes, so
             # there G3 counts blocks for prompt + max_tokens, and the blocks already
@@ -176,11 +176,15 @@ class Scheduler:
             # blocks mid-flight (no preemption needed, P6). The padded backend's
             # decode KV lives outside the pool; only its prompt blocks are pooled.
             tokens = req.kv_need if self._kv_grows_in_pool else req.prompt_len
-            r = gates.check_block_pool(
+            g3 = gates.check_block_pool(
                 blocks_needed=bm.blocks_needed(req.prompt_token_ids, tokens),
                 free_blocks=bm.num_free_blocks() - self._promised_blocks(),
                 prompt_blocks=bm.num_blocks_for(tokens), num_blocks=bm.num_blocks)
-        return r
+        for r in (g2, g3):
+            if r is not None and r.hard:
+                return r
+        rows = len(self.prefilling) + len(self.active)
+        return g2 or gates.batch_slot_hold(rows, self.config.max_batch_size) or g3
 
     @property
     def _kv_grows_in_pool(self) -> bool:

@@ -110,3 +110,22 @@ def test_paged_decode_never_runs_out_of_blocks_because_g3_counts_max_tokens(tiny
     big = engine.submit([1] * 3, SamplingParams(max_tokens=40))  # 43 tokens = 11 blocks > 10
     engine.step()
     assert big.output.rejection["reason"] == "prompt_exceeds_block_pool"
+
+
+@pytest.mark.parametrize("backend", ["padded", "paged"])
+def test_a_request_bigger_than_the_pool_is_refused_at_once_even_behind_a_full_batch(tiny_model,
+                                                                                    backend):
+    """G3's hard reject is immediate: never held at the head as `batch_full` while the batch
+    is busy (it used to be checked only once a row and G2 were free)."""
+    engine = make_engine(tiny_model, backend=backend, max_batch_size=1, num_blocks=8,
+                         block_size=4, kv_budget_tokens=10_000, enable_prefix_caching=False)
+    busy = engine.submit([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()  # the only batch row is taken
+    big = engine.submit(list(range(1, 41)), SamplingParams(max_tokens=2))  # 10 blocks > 8
+    behind = engine.submit([4, 5], SamplingParams(max_tokens=2))
+    rec = engine.step()
+    assert big.finished and big.output.rejection["gate"] == "G3"
+    assert big.output.rejection["reason"] == "prompt_exceeds_block_pool"
+    assert [r["request_id"] for r in rec.admit.rejected] == [big.request_id]
+    assert rec.admit.held["request_id"] == behind.request_id  # the next one waits for the row
+    assert not busy.finished
