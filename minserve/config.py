@@ -51,6 +51,7 @@ class EngineConfig:
     policy: str = "fcfs"  # "fcfs" (P1) | "fair" (P2, VTC)
     fair_w_in: float = 1.0  # P3: cost of one prompt token computed
     fair_w_out: float = 2.0  # P3: cost of one output token
+    fair_max_sessions: int = 10_000  # sessions whose counters are kept; idle ones beyond are forgotten
 
     # --- backpressure (G) -------------------------------------------------------
     kv_budget_tokens: int | None = None  # gate G2; None -> num_blocks * block_size
@@ -80,6 +81,8 @@ class EngineConfig:
         need(self.policy in POLICIES, f"policy={self.policy!r}; use one of {POLICIES}")
         need(self.fair_w_in >= 0 and self.fair_w_out >= 0 and self.fair_w_in + self.fair_w_out > 0,
              "fair_w_in and fair_w_out must be >= 0 and not both 0")
+        need(_pos_int(self.fair_max_sessions),
+             f"fair_max_sessions={self.fair_max_sessions!r}; use an int >= 1")
         need(self.backend in BACKENDS, f"backend={self.backend!r}; use one of {BACKENDS}")
         need(_pos_int(self.block_size), f"block_size={self.block_size!r}; use an int >= 1")
         need(self.num_blocks is None or _pos_int(self.num_blocks),

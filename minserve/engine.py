@@ -43,12 +43,13 @@ Prompt = Union[str, Sequence[int], Sequence[dict]]
 DEFAULT_MAX_CONTEXT_FOR_BLOCKS = 1024  # tokens per row assumed when deriving num_blocks
 
 
-def make_policy(name: str, w_in: float = 1.0, w_out: float = 2.0) -> Policy:
+def make_policy(name: str, w_in: float = 1.0, w_out: float = 2.0,
+                max_sessions: int = 10_000) -> Policy:
     """Build the policy a config names (FCFS in policies.py, VTC in fair.py)."""
     if name == "fcfs":
         return FCFSPolicy()
     if name == "fair":
-        return FairPolicy(w_in=w_in, w_out=w_out)
+        return FairPolicy(w_in=w_in, w_out=w_out, max_sessions=max_sessions)
     raise ValueError(f"unknown policy {name!r}; use 'fcfs' or 'fair'")
 
 
@@ -91,7 +92,8 @@ class Engine:
         else:
             backend = PaddedBackend(model, storage=storage)
             backend.block_manager = self.block_manager
-        policy = make_policy(config.policy, config.fair_w_in, config.fair_w_out)
+        policy = make_policy(config.policy, config.fair_w_in, config.fair_w_out,
+                             config.fair_max_sessions)
         self.scheduler = Scheduler(config, backend, policy, kv_budget, self.block_manager)
 
         self._seq = itertools.count()

@@ -121,6 +121,14 @@ class FairPolicy(Policy):
     which is more than U. `tests/test_policies.py` checks (1) and the bound
     on random traces in a small simulated server.
 
+    **Bounded state.** A counter is kept per session, and sessions come and
+    go (every browser tab, every `user` string of an HTTP client). Beyond
+    `max_sessions` sessions, the ones with nothing waiting and nothing running
+    are forgotten, least recently active first. Nothing is lost for the
+    sessions that compete: a forgotten session that comes back is lifted to
+    the clock like a newcomer (P4), so it only loses debt it carried above the
+    clock, and sessions with requests waiting or running are never forgotten.
+
     Cost: `peek_next` scans the waiting list, O(n) in the queue length. That
     is fine for the queue sizes a teaching engine sees, and the head is always
     computed from the current counters, with no index to keep in sync.
@@ -128,15 +136,21 @@ class FairPolicy(Policy):
 
     name = "fair"
 
-    def __init__(self, w_in: float = 1.0, w_out: float = 2.0) -> None:
+    def __init__(self, w_in: float = 1.0, w_out: float = 2.0, max_sessions: int = 10_000) -> None:
         for label, w in (("w_in", w_in), ("w_out", w_out)):
             if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0):
                 raise ValueError(f"FairPolicy: {label}={w!r}; use a finite number >= 0")
         if w_in == 0 and w_out == 0:
             raise ValueError("FairPolicy: w_in and w_out are both 0, so no service is "
                              "ever counted; make at least one > 0 (the paper uses 1 and 2)")
+        if not (isinstance(max_sessions, int) and max_sessions >= 1):
+            raise ValueError(f"FairPolicy: max_sessions={max_sessions!r}; use an int >= 1")
         self.w_in = float(w_in)
         self.w_out = float(w_out)
+        self.max_sessions = max_sessions
+        self.forgotten_sessions = 0  # idle sessions dropped to keep the state bounded
+        self._running: dict[str, int] = {}  # session -> admitted requests not finished
+        self._last_active: dict[str, int] = {}  # session -> arrival_seq of its latest request
         self.counters: dict[str, float] = {}  # session -> weighted service so far (+ lifts)
         self.served: dict[str, dict[str, int]] = {}  # session -> real tokens, for stats
         self._waiting: list[Request] = []  # in arrival order; the key decides the head
@@ -151,6 +165,9 @@ class FairPolicy(Policy):
     def on_request_arrived(self, req: Request) -> None:
         """Enqueue `req`; lift its session's counter to the clock if it had nothing waiting (P4)."""
         s, tier = req.session_id, req.priority
+        if s not in self.counters and len(self.counters) >= self.max_sessions:
+            self._forget_idle_sessions(len(self.counters) - self.max_sessions + 1)
+        self._last_active[s] = req.arrival_seq
         self.counters.setdefault(s, 0.0)
         self.served.setdefault(s, {"prompt_tokens": 0, "output_tokens": 0})
         # the sessions `req` competes with: those waiting in its priority tier
@@ -176,6 +193,7 @@ class FairPolicy(Policy):
         if req is None:
             raise IndexError("pick_next on an empty queue")
         self.remove(req)
+        self._running[req.session_id] = self._running.get(req.session_id, 0) + 1
         return req
 
     def remove(self, req: Request) -> None:
@@ -210,6 +228,26 @@ class FairPolicy(Policy):
         """
         if any(r is req for r in self._waiting):  # finished while still waiting
             self.remove(req)
+            return
+        s = req.session_id
+        if self._running.get(s, 0) > 1:
+            self._running[s] -= 1
+        else:
+            self._running.pop(s, None)
+
+    def _forget_idle_sessions(self, n: int) -> None:
+        """Drop up to `n` sessions with nothing waiting and nothing running, least
+        recently active first (see "Bounded state"). The session that last left each
+        tier stays: its counter is that tier's clock."""
+        busy = {r.session_id for r in self._waiting} | set(self._running)
+        keep = busy | set(self._last_left.values())
+        idle = sorted((s for s in self.counters if s not in keep),
+                      key=lambda s: self._last_active.get(s, -1))
+        for s in idle[:n]:
+            del self.counters[s]
+            self.served.pop(s, None)
+            self._last_active.pop(s, None)
+            self.forgotten_sessions += 1
 
     # --- views ----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Request]:
@@ -223,6 +261,7 @@ class FairPolicy(Policy):
         for r in self._waiting:
             queued[r.session_id] = queued.get(r.session_id, 0) + 1
         return {"name": self.name, "w_in": self.w_in, "w_out": self.w_out,
+                "sessions": len(self.counters), "forgotten_sessions": self.forgotten_sessions,
                 "counters": dict(self.counters),
                 "served": {s: dict(v) for s, v in self.served.items()},
                 "queued": queued}

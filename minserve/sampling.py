@@ -48,8 +48,9 @@ class SamplingParams:
         need(isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0,
              f"top_p={self.top_p!r}; use a number in (0, 1]")
         need(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k={self.top_k!r}; use an int >= 0 (0 = off)")
-        need(self.seed is None or (isinstance(self.seed, int) and self.seed >= 0),
-             f"seed={self.seed!r}; use an int >= 0 or None")
+        need(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                   and 0 <= self.seed < 2**63),
+             f"seed={self.seed!r}; use an int in [0, 2**63) or None")
         need(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ints >= 0")
 

@@ -70,6 +70,7 @@ class Scheduler:
         self.failed_rows = 0  # rows ended by an error of their own (failure isolation)
         self.hook_errors = 0  # policy cleanup hooks that raised (the request still ended)
         self.last_error: str | None = None  # one line, no traceback (that goes to the log)
+        self.kv_length_metric = 0  # the backend's kv_length after the last decode step
         self.tokens_generated = 0
         self.prompt_tokens_computed = 0
 
@@ -357,7 +358,7 @@ class Scheduler:
                     "evict_finished before decode_step (a finished row is never decoded again)")
             rows = list(self.active)
             if not rows:
-                rec.kv_length = self.backend.kv_length
+                rec.kv_length = self.kv_length_metric = self.backend.kv_length
                 return rec
             if self._kv_grows_in_pool:
                 for r in rows:  # room for the token about to be written
@@ -370,7 +371,7 @@ class Scheduler:
                 for req in rows:
                     self._fail_row(req, "decode forward", e)
                     rec.failed.append({"request_id": req.request_id, "error": req.error})
-                rec.kv_length = self.backend.kv_length
+                rec.kv_length = self.kv_length_metric = self.backend.kv_length
                 return rec
             for req, row_logits in zip(rows, logits):
                 try:
@@ -386,7 +387,7 @@ class Scheduler:
                 rec.tokens[req.request_id] = tok
                 if req.finish_reason is not None:
                     rec.finished[req.request_id] = req.finish_reason.value
-            rec.kv_length = self.backend.kv_length
+            rec.kv_length = self.kv_length_metric = self.backend.kv_length
         return rec
 
     # ================================================================= helpers
@@ -428,6 +429,18 @@ class Scheduler:
             out = RequestOutput.from_request(req, req.handle.text)
             req.handle._finish(out, reason.value,
                                rejection=rejection.to_dict() if rejection else None, error=req.error)
+
+    def abort_all(self, error: str) -> int:
+        """Shutting down: end every request, running or waiting, with `error`, giving
+        back everything held (R2 afterwards). Returns how many ended."""
+        with self.lock:
+            n = self.fail_all(error)
+            with self.queue_lock:
+                for req in list(self.policy):
+                    self.policy.remove(req)
+                    self._finish(req, FinishReason.ERROR, error=error)
+                    n += 1
+        return n
 
     def fail_all(self, error: str) -> int:
         """A forward pass raised: end every running request with an error and give
@@ -529,7 +542,7 @@ class Scheduler:
             "failed_rows": self.failed_rows,
             "tokens_generated": self.tokens_generated,
             "prompt_tokens_computed": self.prompt_tokens_computed,
-            "kv_length": self.backend.kv_length,
+            "kv_length": self.kv_length_metric,  # read under the tick lock, by T4
             "backend": self.backend.name,
             "prefill_mode": self.config.prefill_mode,
             "policy": policy,

@@ -495,3 +495,28 @@ def test_bound_check_catches_an_unfair_policy():
     _, fcfs_gap = backlogged_gaps(simulate(FCFSPolicy(), arrivals, 2, 100, 1.0, 2.0), "a", "b")
     _, fair_gap = backlogged_gaps(simulate(FairPolicy(), arrivals, 2, 100, 1.0, 2.0), "a", "b")
     assert fcfs_gap > 2 * U >= fair_gap
+
+
+def test_fair_session_state_stays_bounded_and_never_forgets_a_competing_session():
+    """Every distinct `user` used to keep a counter forever (1 MB names -> +91 MB).
+    Beyond max_sessions, idle sessions are forgotten; waiting or running ones never."""
+    p = FairPolicy(max_sessions=4)
+    heavy = [make_req(i, "heavy", prompt=40) for i in range(3)]
+    for r in heavy:
+        p.on_request_arrived(r)
+    running = admit(p)  # heavy: one running, two waiting
+    for i in range(100):  # a churn of one-shot sessions, each served and gone
+        r = make_req(10 + i, f"drive-by-{i}")
+        p.on_request_arrived(r)
+        while (head := admit(p)) is not r:  # heavy's waiting work may go first
+            serve(p, head)
+            p.on_request_arrived(make_req(1000 + i, "heavy", prompt=40))
+        serve(p, r)
+        assert len(p.counters) <= 4 and len(p.served) <= 4
+        assert "heavy" in p.counters  # it has work waiting or running: never forgotten
+    assert p.forgotten_sessions >= 95
+    assert p.stats()["sessions"] == len(p.counters)
+    serve(p, running)
+    # a forgotten session that returns is lifted to the clock like a newcomer, not 0
+    p.on_request_arrived(make_req(5000, "drive-by-0"))
+    assert p.counters["drive-by-0"] > 0

@@ -43,11 +43,11 @@ def tiny_chat():
 
 
 @contextmanager
-def serving(api_key=None, **cfg):
+def serving(api_key=None, app_kw=None, **cfg):
     """(base url, engine) of a freshly started server; stopped (engine too) on exit."""
     model, tokenizer = tiny_chat()
     engine = Engine(EngineConfig(**{**SMALL, **cfg}), model=model, tokenizer=tokenizer)
-    with BackgroundServer(create_app(engine, api_key=api_key)) as srv:
+    with BackgroundServer(create_app(engine, api_key=api_key, **(app_kw or {}))) as srv:
         yield srv.url, engine
 
 
@@ -154,8 +154,9 @@ def test_session_comes_from_user_then_header_and_priority_from_the_body(server):
 
 
 def test_fair_policy_charges_the_session_named_by_user_or_header():
-    """H2 end to end: the session a request names is the one the VTC counters charge."""
-    with serving(policy="fair") as (url, _):
+    """H2 end to end: the session a request names is the one the VTC counters charge
+    (read here with session_stats on: per-session detail is not public by default)."""
+    with serving(policy="fair", app_kw={"session_stats": True}) as (url, _):
         httpx.post(url + "/v1/completions", timeout=20, json={"prompt": "Hi", "max_tokens": 3,
                                                              "user": "alice"})
         httpx.post(url + "/v1/completions", timeout=20, headers={"X-Session-Id": "bob"},
@@ -342,3 +343,52 @@ def test_python_dash_m_minserve_serve_starts_with_flags_and_env():
             assert proc.wait(timeout=20) == 0
         finally:
             proc.kill()
+
+
+@pytest.mark.real_model
+def test_sigterm_ends_a_running_stream_with_a_reason_and_done_then_exits_0():
+    """A real `minserve serve` process, a real SIGTERM: the stream that cannot finish
+    within the grace period ends with a server_shutdown error chunk and [DONE]."""
+    import json
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "minserve", "serve", "--port", str(port), "--device", "cpu",
+           "--log-level", "warning", "--shutdown-grace-s", "1"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    lines: list[str] = []
+    try:
+        def up():
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(up, timeout=90, what="minserve serve to come up")
+
+        def stream():
+            with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                    "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
+                    "stream": True}) as r:
+                lines.extend(line for line in r.iter_lines() if line)
+
+        t = threading.Thread(target=stream)
+        t.start()
+        wait_until(lambda: len(lines) >= 3, timeout=30, what="the stream to start")
+        proc.send_signal(signal.SIGTERM)
+        t.join(30)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-3].removeprefix("data: "))["error"]["code"] == "server_shutdown"

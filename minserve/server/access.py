@@ -48,20 +48,33 @@ def model_card(engine: Engine, names: list[str], created: int) -> dict[str, Any]
 class BearerAuth:
     """Pure-ASGI middleware: `Authorization: Bearer <api_key>` or 401 (`/health` stays open,
     for liveness probes). Checked before routing, so an unauthenticated client learns
-    nothing else, not even whether its JSON parses."""
+    nothing else, not even whether its JSON parses.
+
+    The scheme is case-insensitive (RFC 9110: `bearer KEY` is the same credential).
+    Two Authorization headers are refused (400): which one a proxy or the server
+    would believe is ambiguous, so neither is."""
 
     OPEN_PATHS = ("/health",)
 
     def __init__(self, app, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected = app, api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.OPEN_PATHS:
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(got, self.expected):  # constant time
-                err = OpenAIError(401, "missing or invalid API key: send 'Authorization: "
-                                       "Bearer <key>'", code="invalid_api_key",
-                                  headers={"WWW-Authenticate": "Bearer"})
+            given = [v for k, v in scope["headers"] if k == b"authorization"]
+            err = None
+            if len(given) > 1:
+                err = OpenAIError(400, "send one Authorization header, not "
+                                       f"{len(given)}", code="duplicate_authorization")
+            else:
+                scheme, _, token = (given[0] if given else b"").strip().partition(b" ")
+                ok = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(),
+                                                                          self.expected)
+                if not ok:  # compare_digest: constant time in the key
+                    err = OpenAIError(401, "missing or invalid API key: send 'Authorization: "
+                                           "Bearer <key>'", code="invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer"})
+            if err is not None:
                 await err.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -47,6 +47,7 @@ from .errors import (
     rejection_error,
     rejection_response,
 )
+from .limits import SHUTTING_DOWN, RequestLimits, ServerLimits, shutting_down_error
 from .schemas import (
     OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
@@ -63,12 +64,16 @@ T = TypeVar("T")
 
 def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: bool = True,
                default_max_tokens: int = 256, retry_after_s: float = 1.0,
-               model_aliases: tuple[str, ...] = ()) -> FastAPI:
+               model_aliases: tuple[str, ...] = (), limits: ServerLimits | None = None,
+               session_stats: bool = False) -> FastAPI:
     """The app. `manage_engine`: start the worker at startup and stop it at shutdown.
 
     `default_max_tokens` is used by chat requests that omit max_tokens
     (completions keep OpenAI's 16); `retry_after_s` goes into `Retry-After` on 429s.
+    `limits`: see limits.py. `session_stats`: show every session's counters on
+    /scheduler/stats to any caller (otherwise only behind `api_key`, or one's own).
     """
+    limits = limits or ServerLimits()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -81,8 +86,11 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
     app = FastAPI(title="minserve", lifespan=lifespan,
                   description="OpenAI-compatible API over a minserve Engine.")
     app.state.engine = engine
+    app.state.draining = False  # set on SIGTERM (cli.MinserveServer): new requests get 503
+    app.state.limits = limits
     install_error_handlers(app)
-    if api_key:
+    app.add_middleware(RequestLimits, limits=limits, state=app.state)
+    if api_key:  # added last: the outermost check, before anything else is looked at
         app.add_middleware(BearerAuth, api_key=api_key)
     names = served_model_names(engine, model_aliases)
     started = int(time.time())
@@ -101,24 +109,29 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model, names)
         body.check_supported()
+        body.check_limits(limits)
         prompt = body.single_prompt()
-        ids = _encode(engine, prompt, "prompt")
+        ids = await _encode(engine, prompt, "prompt")
         return await _generate(engine, request, body, ids, "completion",
-                               OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS, retry_after_s)
+                               OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS, retry_after_s, limits)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model, names)
         body.check_supported()
-        ids = _encode(engine, body.template_messages(), "messages")  # the chat template
+        body.check_limits(limits)
+        ids = await _encode(engine, body.template_messages(), "messages")  # the chat template
         return await _generate(engine, request, body, ids, "chat", default_max_tokens,
-                               retry_after_s)
+                               retry_after_s, limits)
 
     @app.get("/scheduler/stats")
-    def scheduler_stats() -> dict[str, Any]:
+    def scheduler_stats(request: Request) -> dict[str, Any]:
         # A plain `def`: FastAPI runs it in a thread, so the brief queue lock that
         # stats() takes never stalls the event loop.
-        return engine.stats()
+        stats = engine.stats()
+        if session_stats or api_key:  # a flag, or a caller BearerAuth let in
+            return stats
+        return aggregate_sessions(stats, request.headers.get("x-session-id"))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -126,7 +139,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
         answers even while a tick holds the scheduler lock (it can never hang)."""
         alive = engine.running
         body = {"status": "ok" if alive else "unhealthy", "worker_alive": alive,
-                "ticks": engine.scheduler.tick_count, "last_error": engine.last_error}
+                "ticks": engine.scheduler.tick_count, "draining": app.state.draining}
         if not alive:
             body["error"] = OpenAIError(503, "the engine's worker thread is not running",
                                         "server_error", code="worker_dead").body()["error"]
@@ -137,10 +150,14 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
 
 # ==================================================================== one request
 async def _generate(engine: Engine, request: Request, body: GenerationRequest, ids: list[int],
-                    kind: str, default_max_tokens: int, retry_after_s: float) -> Response:
+                    kind: str, default_max_tokens: int, retry_after_s: float,
+                    limits: ServerLimits) -> Response:
     """Submit, wait for the first event, then answer: 429, streamed 200 or JSON 200."""
     sampling = sampling_params(body, len(ids), engine.max_model_len, default_max_tokens)
     session = body.user or request.headers.get("x-session-id") or "default"  # H2
+    if len(session) > limits.max_user_chars:
+        raise bad_request(f"the session name (X-Session-Id) is {len(session)} characters; at "
+                          f"most {limits.max_user_chars} are allowed", "user")
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     if not engine.running:  # nobody would ever tick this request: say so instead of hanging
         raise OpenAIError(503, "the engine's worker thread is not running (see GET /health)",
@@ -151,7 +168,7 @@ async def _generate(engine: Engine, request: Request, body: GenerationRequest, i
     except ValueError as e:
         raise bad_request(str(e), "prompt") from None
     shaper = ResponseShaper(kind, rid, engine.model_name, len(ids), session, body.priority)
-    events = handle.__aiter__()
+    events = _while_worker_lives(engine, handle.__aiter__())
     handed_off = False  # True once a streaming response owns the cancel
     try:
         first = await _unless_disconnected(request, anext(events))
@@ -165,8 +182,7 @@ async def _generate(engine: Engine, request: Request, body: GenerationRequest, i
         await _unless_disconnected(request, _drain(events))
         out = handle.output
         if out.finish_reason == "error":
-            raise OpenAIError(500, _engine_error_message(handle), "server_error",
-                              code="engine_error")
+            raise _engine_error(handle)
         return JSONResponse(shaper.final_body(out), headers={"x-request-id": rid})
     except ClientGone:  # nobody is listening; 499 is nginx's "client closed request"
         return Response(status_code=499)
@@ -185,18 +201,21 @@ async def _sse_stream(first: StreamEvent, events: AsyncIterator[StreamEvent],
             yield sse(shaper.chunk(role=True))
         if first.text:
             yield sse(shaper.chunk(first.text))
-        async for ev in events:
-            if ev.text:
-                yield sse(shaper.chunk(ev.text))
-            if ev.finish_reason is None:
-                continue
-            out = handle.output
-            if out.finish_reason == "error":  # the status line is long gone: say it in-band
-                yield sse(OpenAIError(500, _engine_error_message(handle), "server_error",
-                                      code="engine_error").body())
-            yield sse(shaper.chunk(finish_reason=out.finish_reason, out=out))
-            if include_usage:
-                yield sse(shaper.usage_chunk(out))
+        try:
+            async for ev in events:
+                if ev.text:
+                    yield sse(shaper.chunk(ev.text))
+                if ev.finish_reason is None:
+                    continue
+                out = handle.output
+                if out.finish_reason == "error":  # the status line is long gone: say it in-band
+                    yield sse(_engine_error(handle).body())
+                yield sse(shaper.chunk(finish_reason=out.finish_reason, out=out))
+                if include_usage:
+                    yield sse(shaper.usage_chunk(out))
+        except OpenAIError as e:  # the worker died mid-stream: say so, then end properly
+            yield sse(e.body())
+            yield sse(shaper.chunk(finish_reason="error"))
         yield SSE_DONE
     finally:
         handle.cancel()  # the client left mid-stream (or we are shutting down): H3
@@ -264,17 +283,69 @@ def _final_error(ev: StreamEvent, retry_after_s: float) -> OpenAIError:
     if ev.finish_reason == "cancelled":
         return OpenAIError(503, "the request was cancelled before it started", "server_error",
                            code="cancelled")
-    return OpenAIError(500, ev.error or "the engine failed this request", "server_error",
+    return _error_for(ev.error)
+
+
+def _engine_error(handle: RequestHandle) -> OpenAIError:
+    return _error_for(handle.events[-1].error)
+
+
+def _error_for(error: str | None) -> OpenAIError:
+    """A request the engine ended with an error: 503 when the server is going down,
+    else 500 with the engine's one-line message (never a traceback)."""
+    if error == SHUTTING_DOWN:
+        return shutting_down_error()
+    return OpenAIError(500, error or "the engine failed this request", "server_error",
                        code="engine_error")
 
 
-def _engine_error_message(handle: RequestHandle) -> str:
-    final = handle.events[-1]
-    return final.error or "the engine failed this request"
-
-
-def _encode(engine: Engine, prompt, param: str) -> list[int]:
+async def _encode(engine: Engine, prompt, param: str) -> list[int]:
+    """Tokenise in a worker thread: a long prompt must not freeze the event loop (and with
+    it /health and every other stream)."""
     try:
-        return engine.encode(prompt)
+        return await asyncio.to_thread(engine.encode, prompt)
     except ValueError as e:
         raise bad_request(str(e), param) from None
+
+
+async def _while_worker_lives(engine: Engine, events: AsyncIterator[StreamEvent],
+                              poll_s: float = 1.0) -> AsyncIterator[StreamEvent]:
+    """`events`, but a dead worker ends the wait with a 503 instead of hanging forever
+    (nobody would ever tick this request again)."""
+    pending = None
+    try:
+        while True:
+            pending = pending or asyncio.ensure_future(anext(events))
+            done, _ = await asyncio.wait({pending}, timeout=poll_s)
+            if done:
+                try:
+                    ev = pending.result()
+                except StopAsyncIteration:
+                    return
+                pending = None
+                yield ev
+            elif not engine.running:
+                raise OpenAIError(503, "the engine's worker thread stopped (see GET /health)",
+                                  "server_error", code="worker_dead")
+    finally:
+        if pending is not None:
+            pending.cancel()
+            await asyncio.wait({pending})  # let it unwind before closing what it iterates
+        await events.aclose()
+
+
+def aggregate_sessions(stats: dict[str, Any], own: str | None) -> dict[str, Any]:
+    """/scheduler/stats for anyone: the policy's per-session maps folded into counts and
+    a spread, plus the caller's own session (named by X-Session-Id) if it has one."""
+    policy = dict(stats.get("policy") or {})
+    counters = policy.pop("counters", None) or {}
+    served = policy.pop("served", None) or {}
+    queued = policy.pop("queued", None) or {}
+    if counters:
+        policy["sessions"] = len(counters)
+        policy["counter_min"], policy["counter_max"] = min(counters.values()), max(counters.values())
+        policy["sessions_waiting"] = len(queued)
+        if own in counters:
+            policy["own_session"] = {"session": own, "counter": counters[own],
+                                     "served": served.get(own), "queued": queued.get(own, 0)}
+    return {**stats, "policy": policy}

@@ -30,6 +30,7 @@ import typing
 from typing import Any
 
 from ..config import BACKENDS, DTYPES, POLICIES, EngineConfig, PrefillMode
+from .limits import ServerLimits
 
 CHOICES = {"policy": POLICIES, "backend": BACKENDS, "dtype": DTYPES,
            "prefill_mode": tuple(m.value for m in PrefillMode)}
@@ -65,6 +66,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="another name a request's 'model' may use (repeatable)")
     srv.add_argument("--log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug"])
+    srv.add_argument("--session-stats", action="store_true",
+                     help="show every session's counters on /scheduler/stats to any caller "
+                          "(default: only with --api-key, or the caller's own session)")
+    lim = p.add_argument_group("limits (ServerLimits; see docs/http_api.md)")
+    for f in dataclasses.fields(ServerLimits):
+        lim.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None,
+                         help=f"default {f.default!r}")
     eng = p.add_argument_group("engine (EngineConfig; each also read from the environment)")
     for name, kind, default in engine_knobs():
         flag, env = "--" + name.replace("_", "-"), name.upper()
@@ -112,18 +120,24 @@ def server_settings(args: argparse.Namespace, env: dict[str, str] | None = None)
     return {"host": host, "port": port, "api_key": api_key}
 
 
+def limits_from_args(args: argparse.Namespace) -> ServerLimits:
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)
+             if getattr(args, f.name, None) is not None}
+    return ServerLimits(**given)
+
+
 def serve(args: argparse.Namespace) -> int:
-    """The `serve` subcommand: build the engine, then run uvicorn until Ctrl-C."""
+    """The `serve` subcommand: build the engine, then run uvicorn until Ctrl-C / SIGTERM."""
     try:
         config = engine_config_from_args(args)
         settings = server_settings(args)
+        limits = limits_from_args(args)
     except ValueError as e:
         print(f"minserve serve: error: {e}", file=sys.stderr)
         return 2
-    import uvicorn
-
     from ..engine import Engine
     from .api import create_app
+    from .lifecycle import MinserveServer, uvicorn_config
 
     print(f"loading {config.model or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr)
     engine = Engine(config)
@@ -132,9 +146,13 @@ def serve(args: argparse.Namespace) -> int:
               "this port can use the model", file=sys.stderr)
     app = create_app(engine, api_key=settings["api_key"], retry_after_s=args.retry_after,
                      default_max_tokens=args.default_max_tokens,
-                     model_aliases=tuple(args.model_alias))
-    uvicorn.run(app, host=settings["host"], port=settings["port"], log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+                     model_aliases=tuple(args.model_alias), limits=limits,
+                     session_stats=args.session_stats)
+    try:
+        MinserveServer(uvicorn_config(app, settings["host"], settings["port"], limits,
+                                      args.log_level)).run()
+    except KeyboardInterrupt:  # a second Ctrl-C during the drain: as uvicorn.run does
+        pass
     return 0
 
 
@@ -150,11 +168,11 @@ class BackgroundServer:
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0,
                  log_level: str = "warning") -> None:
-        import uvicorn
+        from .lifecycle import MinserveServer, uvicorn_config
 
-        self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                     lifespan="on", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(self.config)
+        limits = getattr(getattr(app, "state", None), "limits", None) or ServerLimits()
+        self.config = uvicorn_config(app, host, port, limits, log_level)
+        self.server = MinserveServer(self.config)
         self.thread = threading.Thread(target=self.server.run, name="minserve-http", daemon=True)
         self.url = ""
 

@@ -31,6 +31,7 @@ need to show a refusal exactly as the HTTP API does.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -173,6 +174,15 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return validation_error(list(exc.errors())).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Anything else is our bug: the client gets a 500 in OpenAI's shape and no
+        # detail (no traceback, no paths); the log gets the traceback.
+        logging.getLogger("minserve").error("unhandled error on %s %s", request.method,
+                                            request.url.path, exc_info=exc)
+        return OpenAIError(500, "internal server error (the server log has the details)",
+                           "server_error", code="internal_error").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

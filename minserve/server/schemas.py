@@ -8,6 +8,18 @@ many optional ones), but known OpenAI fields whose non-default values minserve
 cannot honour (`n > 1`, `logprobs`, `tools`, penalties, ...) are a 400 naming
 the field: never silently answered as if they had been applied.
 
+Fields OpenAI has that minserve does not act on, decided one by one (the
+table is in docs/http_api.md): accepted when they ask for nothing minserve
+would have to do (`modalities: ["text"]`, `service_tier: "auto"/"default"`,
+`store: false`, `metadata`, `parallel_tool_calls` without tools); a 400 naming
+the field otherwise (`prediction`, `reasoning_effort`, `store: true`, ...).
+
+Limits (`ServerLimits`, checked by `check_limits` before tokenising): at most
+4 stop strings of 200 characters, a `user` of 256 characters, a prompt of
+200,000 characters; `temperature` in [0, 2] as in OpenAI's API; no lone UTF-16
+surrogate in any string (it cannot be encoded, so it would fail later, deep in
+the tokenizer or the response writer).
+
 minserve extension fields (accepted in the body; the OpenAI SDK passes them
 with `extra_body={...}`):
 
@@ -56,6 +68,9 @@ class GenerationRequest(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None  # accepted and not used (it goes with `store`)
     # --- minserve extensions
     priority: int = 0
     top_k: int | None = None
@@ -64,7 +79,8 @@ class GenerationRequest(_Strict):
     # field -> the values that mean "not used" (anything else is refused, not ignored)
     UNSUPPORTED: ClassVar[dict[str, list[Any]]] = {
         "n": [None, 1], "presence_penalty": [None, 0], "frequency_penalty": [None, 0],
-        "logit_bias": [None, {}]}
+        "logit_bias": [None, {}], "service_tier": [None, "default", "auto"],
+        "store": [None, False]}
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -75,12 +91,55 @@ class GenerationRequest(_Strict):
             value = getattr(self, name)
             if value not in neutral:
                 hint = ("; send n separate requests" if name == "n" else "")
-                raise bad_request(f"'{name}'={value!r} is not supported by minserve (only "
-                                  f"{neutral[-1]!r} or omitted){hint}", name,
-                                  code="unsupported_value")
+                allowed = " or ".join(repr(v) for v in neutral if v is not None)
+                allowed = f"only {allowed} or omitted" if allowed else "omit it"
+                raise bad_request(f"'{name}'={value!r} is not supported by minserve "
+                                  f"({allowed}){hint}", name, code="unsupported_value")
         if self.stream_options is not None and not self.stream:
             raise bad_request("'stream_options' is only allowed when 'stream' is true",
                               "stream_options")
+        if self.temperature is not None and not 0.0 <= self.temperature <= 2.0:
+            raise bad_request(f"temperature={self.temperature!r}; use a number in [0, 2] "
+                              "(0 = greedy)", "temperature")
+
+    def check_limits(self, limits) -> None:
+        """400s for what one request may not cost everyone else (`ServerLimits`)."""
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > limits.max_stop_strings:
+            raise bad_request(f"'stop' holds {len(stops)} strings; at most "
+                              f"{limits.max_stop_strings} are allowed", "stop")
+        if any(len(s) > limits.max_stop_chars for s in stops):
+            raise bad_request(f"a stop string is longer than {limits.max_stop_chars} characters",
+                              "stop")
+        if self.user is not None and len(self.user) > limits.max_user_chars:
+            raise bad_request(f"'user' is {len(self.user)} characters; at most "
+                              f"{limits.max_user_chars} are allowed", "user")
+        if self.prompt_chars() > limits.max_prompt_chars:
+            raise bad_request(f"the prompt is {self.prompt_chars()} characters; at most "
+                              f"{limits.max_prompt_chars} are allowed", self.PROMPT_PARAM,
+                              code="prompt_too_long")
+        for path, text in self.strings():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad_request(f"'{path}' holds a lone UTF-16 surrogate, which is not valid "
+                                  "Unicode text", path.split("[")[0].split(".")[0],
+                                  code="invalid_encoding") from None
+
+    PROMPT_PARAM: ClassVar[str] = "prompt"
+
+    def prompt_chars(self) -> int:
+        return 0
+
+    def strings(self):
+        """(JSON path, string) for every string field a client sent."""
+        for name in ("model", "user"):
+            if getattr(self, name) is not None:
+                yield name, getattr(self, name)
+        if isinstance(self.stop, str):
+            yield "stop", self.stop
+        for i, s in enumerate(self.stop if isinstance(self.stop, list) else []):
+            yield f"stop[{i}]", s
 
 
 class CompletionRequest(GenerationRequest):
@@ -95,6 +154,20 @@ class CompletionRequest(GenerationRequest):
     UNSUPPORTED: ClassVar[dict[str, list[Any]]] = {
         **GenerationRequest.UNSUPPORTED, "echo": [None, False], "logprobs": [None],
         "best_of": [None, 1], "suffix": [None, ""]}
+
+    def prompt_chars(self) -> int:
+        p = self.prompt
+        if isinstance(p, str):
+            return len(p)
+        return sum(len(x) for x in p if isinstance(x, (str, list)))  # ids count as one each
+
+    def strings(self):
+        yield from super().strings()
+        if isinstance(self.prompt, str):
+            yield "prompt", self.prompt
+        elif self.prompt and isinstance(self.prompt[0], str):
+            for i, s in enumerate(self.prompt):
+                yield f"prompt[{i}]", s
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt (text or ids). Batched prompts are refused: one request, one row."""
@@ -136,12 +209,34 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # accepted and not used: no tools here
     response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    audio: dict[str, Any] | None = None
 
     UNSUPPORTED: ClassVar[dict[str, list[Any]]] = {
         **GenerationRequest.UNSUPPORTED, "logprobs": [None, False], "top_logprobs": [None, 0],
         "tools": [None, []], "tool_choice": [None, "none"],
-        "response_format": [None, {"type": "text"}]}
+        "response_format": [None, {"type": "text"}], "modalities": [None, ["text"]],
+        "prediction": [None], "reasoning_effort": [None], "audio": [None]}
+    PROMPT_PARAM: ClassVar[str] = "messages"
+
+    def prompt_chars(self) -> int:
+        return sum(len(t) for _, t in self._message_texts())
+
+    def _message_texts(self):
+        for i, m in enumerate(self.messages):
+            if isinstance(m.content, str):
+                yield f"messages[{i}].content", m.content
+            else:
+                for j, part in enumerate(m.content):
+                    yield f"messages[{i}].content[{j}].text", part.text
+
+    def strings(self):
+        yield from super().strings()
+        yield from self._message_texts()
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \

@@ -1,0 +1,83 @@
+"""Running the app under uvicorn: the limits uvicorn enforces, and a graceful SIGTERM.
+
+    config = uvicorn_config(app, host, port, limits)
+    MinserveServer(config).run()           # what `minserve serve` does
+
+On the first SIGTERM (or Ctrl-C) `MinserveServer` drains instead of dropping
+everyone at once:
+
+    1. stop accepting: the listening sockets close; a request that still
+       reaches the app gets 503 `server_shutdown` (`app.state.draining`);
+    2. let running and queued requests finish, for up to `shutdown_grace_s`;
+    3. then end what is left with an error saying the server is shutting
+       down (`Scheduler.abort_all`): a stream gets a final error chunk, a
+       finish chunk and `[DONE]`; a non-streaming request gets a 503 in
+       OpenAI's shape; everything they held is given back;
+    4. hand over to uvicorn's own shutdown (connections close, the lifespan
+       stops the engine).
+
+A second signal skips the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import uvicorn
+
+from .limits import SHUTTING_DOWN, ServerLimits, timed_h11_protocol
+
+
+def uvicorn_config(app, host: str, port: int, limits: ServerLimits,
+                   log_level: str = "info") -> uvicorn.Config:
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                          http=timed_h11_protocol(limits.header_timeout_s),
+                          timeout_keep_alive=limits.keep_alive_s,
+                          limit_concurrency=limits.max_connections,
+                          timeout_graceful_shutdown=5)
+
+
+class MinserveServer(uvicorn.Server):
+    """uvicorn's server with a draining first SIGTERM (see the module docstring)."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        """Called from the signal handler (or by a test, from any thread)."""
+        if self.draining or self._loop is None:
+            super().handle_exit(sig, frame)  # second signal, or not started: uvicorn's way
+            return
+        self.draining = True  # handled here: a drained server exits 0, not by the signal
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.drain()))
+
+    async def drain(self) -> None:
+        app = self.config.loaded_app
+        state = _app_state(app)
+        engine = state.engine
+        grace = state.limits.shutdown_grace_s
+        state.draining = True
+        for server in self.servers:  # stop accepting connections; open ones carry on
+            server.close()
+        deadline = time.monotonic() + grace
+        while engine.scheduler.has_work() and time.monotonic() < deadline \
+                and not self.should_exit:
+            await asyncio.sleep(0.05)
+        if engine.scheduler.has_work():
+            await asyncio.to_thread(engine.scheduler.abort_all, SHUTTING_DOWN)
+        await asyncio.sleep(0.3)  # the streams write their last chunks and [DONE]
+        self.should_exit = True
+
+
+def _app_state(app):
+    """The FastAPI app's `state`, under uvicorn's wrappers (proxy headers, ...)."""
+    while not hasattr(app, "state"):
+        app = app.app
+    return app.state

@@ -1,0 +1,185 @@
+"""Limits: what one client may cost everyone else, and how long it may take to say it.
+
+Every number is a field of `ServerLimits` (flags of `minserve serve`, a table in
+docs/http_api.md). Each guards against one way a single client could stall or
+starve the whole service:
+
+    what                        where it is enforced                     answer
+    body size                   `RequestLimits`, from Content-Length      413, before reading it
+                                (and counted while reading a chunked one)
+    body read time              `RequestLimits`, per body chunk           408
+    Content-Type                `RequestLimits`, POST only                415
+    prompt characters           the route, before tokenising              400
+    stop strings, `user`        the request schema                        400
+    header read time            `TimedH11Protocol` (uvicorn has none for  connection closed
+                                a connection that never finishes its
+                                request line and headers: slowloris)
+    idle keep-alive             uvicorn `timeout_keep_alive`              connection closed
+    concurrent connections      uvicorn `limit_concurrency`               503
+    shutdown grace              `MinserveServer.handle_exit` (cli.py)     final chunk / 503
+
+Tokenising runs in a worker thread (the route awaits it), never on the event
+loop, so a large prompt no longer freezes `/health` and every stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, fields
+
+from .errors import OpenAIError
+
+
+@dataclass
+class ServerLimits:
+    """Per-server limits; every field is a `minserve serve` flag of the same name."""
+
+    max_body_bytes: int = 1 << 20  # 1 MiB: ~250k tokens of text, far past any context here
+    max_prompt_chars: int = 200_000  # checked before tokenising (prompt or all messages)
+    max_stop_strings: int = 4  # OpenAI's limit; each is scanned at every token
+    max_stop_chars: int = 200  # per stop string
+    max_user_chars: int = 256  # the `user` field / X-Session-Id: a fair-policy session name
+    header_timeout_s: float = 10.0  # request line + headers must arrive within this
+    body_timeout_s: float = 30.0  # each chunk of a request body must arrive within this
+    keep_alive_s: int = 5  # an idle keep-alive connection is closed after this
+    max_connections: int = 512  # concurrent connections; beyond: 503
+    shutdown_grace_s: float = 30.0  # on SIGTERM, running requests may finish within this
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ValueError(f"ServerLimits: {f.name}={v!r}; use a number > 0")
+
+
+SHUTTING_DOWN = "the server is shutting down"
+
+
+def shutting_down_error() -> OpenAIError:
+    return OpenAIError(503, f"{SHUTTING_DOWN}; retry on another instance or later",
+                       "server_error", code="server_shutdown", headers={"Retry-After": "5"})
+
+
+class RequestLimits:
+    """Pure-ASGI middleware: draining, Content-Type, body size and body read time.
+
+    Checked before routing and parsing, so a 20 MB body is refused from its
+    Content-Length without reading it, and a body sent without one (chunked) is
+    cut off as soon as it passes the limit. The body is read here, with a
+    deadline per chunk, and handed on to the app.
+    """
+
+    def __init__(self, app, limits: ServerLimits, state) -> None:
+        self.app, self.limits, self.state = app, limits, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if getattr(self.state, "draining", False) and scope["path"] != "/health":
+            await shutting_down_error().response()(scope, receive, send)
+            return
+        if scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        headers = {}
+        for k, v in scope["headers"]:
+            headers.setdefault(k, v)
+        ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if ctype != b"application/json":
+            got = ctype.decode("latin-1") or "none"
+            err = OpenAIError(415, f"send the body as JSON with 'Content-Type: application/json' "
+                                   f"(got {got})", code="unsupported_media_type")
+            await err.response()(scope, receive, send)
+            return
+        limit = self.limits.max_body_bytes
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            await too_large(limit).response()(scope, receive, send)
+            return
+        try:
+            body = await self._read_body(receive, limit)
+        except OpenAIError as err:
+            await err.response()(scope, receive, send)
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _read_body(self, receive, limit: int) -> bytes:
+        """The whole body (at most `limit` bytes; FastAPI would read it all anyway), each
+        chunk's wait bounded by `body_timeout_s`."""
+        timeout, parts, seen = self.limits.body_timeout_s, [], 0
+        while True:
+            try:
+                msg = await asyncio.wait_for(receive(), timeout)
+            except asyncio.TimeoutError:
+                raise OpenAIError(408, f"the request body did not arrive within {timeout:g} s",
+                                  code="request_timeout") from None
+            if msg["type"] == "http.disconnect":
+                raise OpenAIError(400, "the client went away while sending the body",
+                                  code="client_disconnected")
+            chunk = msg.get("body", b"")
+            seen += len(chunk)
+            if seen > limit:
+                raise too_large(limit)
+            parts.append(chunk)
+            if not msg.get("more_body", False):
+                return b"".join(parts)
+
+
+def _replay(body: bytes, receive):
+    """A `receive` that hands the app the body already read, then the real messages
+    (the disconnect the server waits for while a request runs)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def too_large(limit: int) -> OpenAIError:
+    return OpenAIError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
+
+
+def timed_h11_protocol(header_timeout_s: float):
+    """uvicorn's h11 protocol with a deadline for the request line and headers.
+
+    uvicorn times out an idle keep-alive connection, but not one that was just
+    opened and sends nothing, or half a header line at a time (slowloris): such a
+    connection stays open forever. This subclass arms a timer whenever the
+    connection is between requests and has begun (or not begun) a new one, and
+    closes the connection if the headers are not complete in time.
+    """
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class TimedH11Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._header_timer = self.loop.call_later(header_timeout_s, self._headers_too_slow)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            waiting_for_headers = self.conn.their_state in (h11.IDLE,)
+            if waiting_for_headers and self._header_timer is None:
+                self._header_timer = self.loop.call_later(header_timeout_s, self._headers_too_slow)
+            elif not waiting_for_headers and self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def connection_lost(self, exc) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            super().connection_lost(exc)
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return TimedH11Protocol
