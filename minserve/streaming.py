@@ -92,12 +92,18 @@ class RequestHandle:
     Thread-safety: `_push` is called from the engine's tick; readers may be any
     number of threads or event loops. Events are kept, so a late reader still
     sees everything from the first token.
+
+    Step mode (no worker thread): a reader that runs out of events calls `drive`,
+    which runs one engine tick, so `for ev in handle:` and `result()` finish on
+    their own instead of waiting for ticks nobody will run.
     """
 
     def __init__(self, request_id: str, cancel_fn: Callable[[str], None] | None = None,
-                 tokenizer=None, stop: list[str] | None = None) -> None:
+                 tokenizer=None, stop: list[str] | None = None,
+                 drive: Callable[[], bool] | None = None) -> None:
         self.request_id = request_id
         self._cancel_fn = cancel_fn
+        self._drive = drive  # runs one tick in step mode; False when a worker ticks
         self.detok = IncrementalDetokenizer(tokenizer, stop)
         self._events: list[StreamEvent] = []
         self._cond = threading.Condition()
@@ -144,9 +150,13 @@ class RequestHandle:
         i = 0
         while True:
             with self._cond:
-                while i >= len(self._events):
-                    self._cond.wait()
-                ev = self._events[i]
+                ev = self._events[i] if i < len(self._events) else None
+            if ev is None:
+                if not (self._drive is not None and self._drive()):  # step mode: tick
+                    with self._cond:  # serving mode: the worker's tick will notify
+                        if i >= len(self._events):
+                            self._cond.wait(timeout=0.5)
+                continue
             i += 1
             yield ev
             if ev.finish_reason is not None:
@@ -165,6 +175,8 @@ class RequestHandle:
                     if not ready:
                         wake.clear()
                 if not ready:
+                    if self._drive is not None and self._drive():  # step mode: tick
+                        continue
                     await wake.wait()
                     continue
                 for ev in ready:
@@ -177,7 +189,10 @@ class RequestHandle:
                 self._waiters.remove((loop, wake))
 
     def result(self, timeout: float | None = None):
-        """Block until the request finishes; return its RequestOutput."""
+        """Block until the request finishes; return its RequestOutput. In step mode this
+        runs the ticks itself."""
+        while not self.finished and self._drive is not None and self._drive():
+            pass
         with self._cond:
             if not self._cond.wait_for(lambda: self.finished, timeout=timeout):
                 raise TimeoutError(f"request {self.request_id} did not finish in {timeout} s")

@@ -95,3 +95,25 @@ def test_handle_keeps_events_for_a_late_reader():
     h._push(StreamEvent(-1, None, "", finish_reason="stop"), output="out")
     assert [e.token_id for e in h] == [5, None]
     assert h.result(timeout=1) == "out"
+
+
+def test_the_readme_step_mode_recipe_streams_to_the_end_without_a_worker(tiny_model):
+    """README: submit, step(), then `for ev in h:`. Nothing ticks the engine in step
+    mode, so iterating used to block forever after the tokens of the first tick."""
+    engine = make_engine(tiny_model, max_batch_size=2)
+    h = engine.submit([1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True),
+                      session_id="alice")
+    rec = engine.step()
+    assert rec.admit.admitted
+    events = [ev for ev in h]  # ticks the engine itself, as often as needed
+    assert events[-1].finish_reason == "length" and len(h.output.token_ids) == 8
+    assert engine.scheduler.is_drained() and not engine.running
+    # result() and async iteration do the same
+    h2 = engine.submit([4, 5], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert h2.result(timeout=5).finish_reason == "length"
+
+    async def read_all(handle):
+        return [ev async for ev in handle]
+
+    h3 = engine.submit([6], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert asyncio.run(read_all(h3))[-1].finish_reason == "length"
