@@ -12,7 +12,7 @@ watch the fair policy keep your own chat responsive (and FCFS not).
 
 Flags, each also read from the environment (flag > environment > default):
 the engine's knobs are `EngineConfig`'s fields (`--max-batch-size` /
-`MAX_BATCH_SIZE`, `--policy` / `POLICY`, ...; see `python app.py --help`), as
+`MINSERVE_MAX_BATCH_SIZE`, `--policy` / `MINSERVE_POLICY`, ...; see `python app.py --help`), as
 in `minserve serve`; the app's own are `--host` / `MINSERVE_APP_HOST` (default
 127.0.0.1: loopback only) and `--port` / `MINSERVE_APP_PORT` (default 7860).
 
@@ -38,7 +38,12 @@ from minserve.config import EngineConfig
 from minserve.inspection import viz
 from minserve.inspection.trace import Trace, engine_config
 from minserve.inspection.viz.queues import COLUMNS
-from minserve.server.cli import CHOICES, engine_config_from_args, engine_knobs
+from minserve.server.cli import (
+    add_engine_arguments,
+    engine_config_from_args,
+    env_name,
+    port_problem,
+)
 
 APP_DEFAULTS = {"policy": "fair", "max_queue_size": 64, "num_blocks": 256}  # over EngineConfig's
 POLICY_LINES = {
@@ -277,17 +282,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="bind address (env MINSERVE_APP_HOST; default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=None,
                    help="TCP port (env MINSERVE_APP_PORT; default 7860)")
-    eng = p.add_argument_group("engine (EngineConfig; each also read from the environment)")
-    for name, kind, default in engine_knobs():
-        default = APP_DEFAULTS.get(name, default)
-        shown = "the embedded SmolLM2" if name == "model" and default is None else default
-        help_ = f"env {name.upper()}; default {shown!r}"
-        if kind is bool:
-            eng.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction,
-                             default=None, help=help_)
-        else:
-            eng.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
-                             choices=CHOICES.get(name), help=help_)
+    add_engine_arguments(p, APP_DEFAULTS)
     return p.parse_args(argv)
 
 
@@ -296,8 +291,8 @@ def config_from_args(args: argparse.Namespace, env: dict | None = None) -> tuple
     """(engine config, host, port): flag > environment > the app's defaults > EngineConfig's."""
     env = dict(os.environ if env is None else env)
     for name, value in APP_DEFAULTS.items():
-        if not env.get(name.upper()):
-            env[name.upper()] = str(value)
+        if not env.get(env_name(name)):
+            env[env_name(name)] = str(value)
     config = engine_config_from_args(args, env)
     host = args.host or env.get("MINSERVE_APP_HOST") or "127.0.0.1"
     port = args.port if args.port is not None else int(env.get("MINSERVE_APP_PORT") or 7860)
@@ -311,11 +306,20 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"app.py: error: {e}", file=sys.stderr)
         return 2
+    problem = port_problem(host, port, "--port", "MINSERVE_APP_PORT")
+    if problem:  # before the model loads: the answer comes in a second
+        print(f"app.py: error: {problem}", file=sys.stderr)
+        return 2
     from minserve import Engine
 
     print(f"loading {config.model or 'the embedded SmolLM2-135M-Instruct'} "
           "(the first run converts it: ~20 s) ...", file=sys.stderr)
-    demo = build_app(Engine(config))
+    try:
+        engine = Engine(config)
+    except ValueError as e:
+        print(f"app.py: error: {e}", file=sys.stderr)
+        return 2
+    demo = build_app(engine)
     try:
         launch(demo, host, port)
     finally:

@@ -80,12 +80,32 @@ def main(argv: list[str] | None = None) -> int:
     from .bench.cli import add_bench_arguments, bench  # torch/transformers load only when it runs
 
     b = sub.add_parser("bench", help="benchmark minserve against its peers (JSON + HTML report)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description="Replay a seeded workload against minserve (in process or "
                                    "over HTTP) and Hugging Face baselines; see docs/benchmarks.md.")
     add_bench_arguments(b)
     b.set_defaults(fn=bench)
-    args = parser.parse_args(argv)
+    commands = {"demo": d, "serve": s, "bench": b}
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's own usage, and the flag it probably meant
+        sub = commands[args.cmd]
+        sub.error(f"unrecognized arguments: {' '.join(unknown)}{suggest(unknown, sub)}")
     return args.fn(args)
+
+
+def suggest(unknown: list[str], parser: argparse.ArgumentParser) -> str:
+    """'; did you mean --max-batch-size?' for `--batch-size` (contained in, or close to, a
+    real flag of this subcommand)."""
+    import difflib
+
+    flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for u in (x.split("=")[0] for x in unknown if x.startswith("--")):
+        near = [f for f in flags if u[2:] and u[2:] in f] or \
+            difflib.get_close_matches(u, flags, n=1, cutoff=0.6)
+        if near:
+            hints.append(f"{u} -> {min(near, key=len)}")
+    return f" (did you mean: {', '.join(hints)}?)" if hints else ""
 
 
 if __name__ == "__main__":

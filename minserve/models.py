@@ -78,26 +78,42 @@ def embedded_model_dir() -> Path:
 
 
 def resolve_device(device: str) -> torch.device:
-    """'auto' -> cuda, then mps, then cpu (D1). Anything else is taken as given."""
+    """'auto' -> cuda, then mps, then cpu (D1). Anything else is checked, so that a
+    device this machine lacks is a one-line ValueError, not torch's AssertionError from
+    deep inside `model.to(...)`."""
+    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
     if device == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    return torch.device(device)
+        return torch.device("mps" if mps else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device={device!r} is not a device name; use auto, cpu, cuda, "
+                         "cuda:N or mps") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}, but this PyTorch sees no CUDA GPU (a CPU build, "
+                         "or no GPU visible); use device 'cpu' or 'auto'")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}, but only {torch.cuda.device_count()} CUDA "
+                         "device(s) are visible")
+    if dev.type == "mps" and not mps:
+        raise ValueError(f"device={device!r}, but MPS (Apple GPU) is not available here; use "
+                         "device 'cpu' or 'auto'")
+    return dev
 
 
 def load_model(name: str | None, dtype: str = "float32", device: str = "auto"):
     """(model, tokenizer) for a config's `model` field, in eval mode on `device`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    target = resolve_device(device)  # first: a wrong device fails before the model loads
     path = str(embedded_model_dir()) if name is None else name
     torch_dtype = getattr(torch, dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
     # sdpa is the default attention; say it so the oracle and the engine agree.
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
-    return model.to(resolve_device(device)).eval(), tokenizer
+    return model.to(target).eval(), tokenizer
 
 
 def tiny_llama(vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 2,

@@ -209,12 +209,12 @@ def test_history_sent_to_the_model_drops_the_apps_own_notices():
 
 def test_flags_beat_environment_beat_app_defaults():
     args = chat_demo.parse_args(["--max-batch-size", "3", "--port", "9999"])
-    cfg, host, port = chat_demo.config_from_args(args, env={"MAX_BATCH_SIZE": "5",
-                                                            "PREFILL_CHUNK_SIZE": "32"})
+    cfg, host, port = chat_demo.config_from_args(args, env={"MINSERVE_MAX_BATCH_SIZE": "5",
+                                                            "MINSERVE_PREFILL_CHUNK_SIZE": "32"})
     assert (cfg.max_batch_size, cfg.prefill_chunk_size, cfg.prefill_mode) == (3, 32, "chunked")
     assert (cfg.policy, cfg.max_queue_size, host, port) == ("fair", 64, "127.0.0.1", 9999)
     cfg, host, port = chat_demo.config_from_args(
-        chat_demo.parse_args([]), env={"POLICY": "fcfs", "MINSERVE_APP_PORT": "7000"})
+        chat_demo.parse_args([]), env={"MINSERVE_POLICY": "fcfs", "MINSERVE_APP_PORT": "7000"})
     assert (cfg.policy, port) == ("fcfs", 7000)
     with pytest.raises(SystemExit):
         chat_demo.parse_args(["--policy", "lottery"])

@@ -278,13 +278,15 @@ def test_flags_override_env_which_overrides_defaults():
 
     p = argparse.ArgumentParser()
     add_serve_arguments(p)
-    env = {"MAX_QUEUE_SIZE": "7", "POLICY": "fair", "ENABLE_PREFIX_CACHING": "false",
-           "NUM_BLOCKS": ""}
+    env = {"MINSERVE_MAX_QUEUE_SIZE": "7", "MINSERVE_POLICY": "fair",
+           "MINSERVE_ENABLE_PREFIX_CACHING": "false", "MINSERVE_NUM_BLOCKS": "",
+           "POLICY": "fcfs", "DEVICE": "cuda", "MAX_BATCH_SIZE": "99"}  # other tools' names
     cfg = engine_config_from_args(p.parse_args(["--max-queue-size", "3"]), env)
     assert (cfg.max_queue_size, cfg.policy, cfg.enable_prefix_caching) == (3, "fair", False)
     assert cfg.num_blocks is None and cfg.max_batch_size == EngineConfig().max_batch_size
-    with pytest.raises(ValueError, match="MAX_BATCH_SIZE='lots'"):
-        engine_config_from_args(p.parse_args([]), {"MAX_BATCH_SIZE": "lots"})
+    assert cfg.device == EngineConfig().device  # bare DEVICE is not ours
+    with pytest.raises(ValueError, match="MINSERVE_MAX_BATCH_SIZE='lots'"):
+        engine_config_from_args(p.parse_args([]), {"MINSERVE_MAX_BATCH_SIZE": "lots"})
     with pytest.raises(ValueError, match="max_queue_size=0"):
         engine_config_from_args(p.parse_args(["--max-queue-size", "0"]), {})
 
@@ -318,7 +320,8 @@ def test_python_dash_m_minserve_serve_starts_with_flags_and_env():
     with socket.socket() as s:  # a free port (the tiny race with other processes is fine here)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "MAX_QUEUE_SIZE": "3", "MAX_BATCH_SIZE": "5", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "MINSERVE_MAX_QUEUE_SIZE": "3", "MINSERVE_MAX_BATCH_SIZE": "5",
+           "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "minserve", "serve", "--port", str(port), "--device", "cpu",
            "--max-batch-size", "2", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -1,11 +1,13 @@
 """`minserve serve`: every engine knob as a flag and an environment variable, then uvicorn.
 
     minserve serve --max-batch-size 8 --max-queue-size 32 --policy fair
-    MAX_QUEUE_SIZE=32 POLICY=fair minserve serve          # the same, from the environment
+    MINSERVE_MAX_QUEUE_SIZE=32 MINSERVE_POLICY=fair minserve serve   # the same, from the environment
 
 The flags are generated from `EngineConfig`'s fields, so a knob added there is
 servable at once and the names can never drift from the SPEC's (A2): field
-`max_queue_size` -> flag `--max-queue-size` -> variable `MAX_QUEUE_SIZE`.
+`max_queue_size` -> flag `--max-queue-size` -> variable `MINSERVE_MAX_QUEUE_SIZE` (every
+variable carries the project's prefix: bare `MODEL`, `DEVICE` or `SEED` belong to
+other tools too).
 Precedence: flag > environment > EngineConfig's default. An empty variable
 counts as unset. Bad values fail before the model loads, with EngineConfig's
 message saying what to change.
@@ -73,11 +75,25 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(ServerLimits):
         lim.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None,
                          help=f"default {f.default!r}")
+    add_engine_arguments(p)
+
+
+def env_name(knob: str) -> str:
+    """The environment variable of an EngineConfig field: `max_queue_size` ->
+    `MINSERVE_MAX_QUEUE_SIZE`."""
+    return "MINSERVE_" + knob.upper()
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, defaults: dict[str, Any] | None = None
+                         ) -> None:
+    """A flag per EngineConfig field (`minserve serve`, `python app.py`); `defaults`: a
+    front end's own defaults, shown in --help."""
     eng = p.add_argument_group("engine (EngineConfig; each also read from the environment)")
     for name, kind, default in engine_knobs():
-        flag, env = "--" + name.replace("_", "-"), name.upper()
+        default = (defaults or {}).get(name, default)
+        flag = "--" + name.replace("_", "-")
         shown = "the embedded SmolLM2" if name == "model" and default is None else default
-        help_ = f"env {env}; default {shown!r}"
+        help_ = f"env {env_name(name)}; default {shown!r}"
         if kind is bool:
             eng.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         else:
@@ -86,17 +102,38 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _from_env(name: str, kind: type, env: dict[str, str]) -> Any:
-    raw = env.get(name.upper(), "")
+    var = env_name(name)
+    raw = env.get(var, "")
     if raw == "":
         return None
     if kind is bool:
         if raw.lower() not in TRUE + FALSE:
-            raise ValueError(f"{name.upper()}={raw!r}; use one of {TRUE + FALSE}")
+            raise ValueError(f"{var}={raw!r}; use one of {TRUE + FALSE}")
         return raw.lower() in TRUE
     try:
         return kind(raw)
     except ValueError:
-        raise ValueError(f"{name.upper()}={raw!r} is not a valid {kind.__name__}") from None
+        raise ValueError(f"{var}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def port_problem(host: str, port: int, flag: str, env: str) -> str | None:
+    """None if `host:port` can be bound now; else one line saying how to pick another
+    (checked before the model loads, so the answer comes in a second, not after it)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return f"cannot resolve host {host!r}: {e}"
+    family, *_, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(addr)
+        except OSError as e:
+            return (f"cannot listen on {host}:{port} ({e.strerror or e}); is another server "
+                    f"running there? Choose another port with {flag} N or {env}=N")
+    return None
 
 
 def engine_config_from_args(args: argparse.Namespace,
@@ -135,12 +172,20 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"minserve serve: error: {e}", file=sys.stderr)
         return 2
+    problem = port_problem(settings["host"], settings["port"], "--port", SERVER_ENV["port"])
+    if problem:
+        print(f"minserve serve: error: {problem}", file=sys.stderr)
+        return 2
     from ..engine import Engine
     from .api import create_app
     from .lifecycle import MinserveServer, uvicorn_config
 
     print(f"loading {config.model or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr)
-    engine = Engine(config)
+    try:
+        engine = Engine(config)
+    except ValueError as e:  # a device this machine lacks, a bad model path, ...
+        print(f"minserve serve: error: {e}", file=sys.stderr)
+        return 2
     if settings["host"] not in ("127.0.0.1", "localhost", "::1") and not settings["api_key"]:
         print(f"warning: serving on {settings['host']} without --api-key: anyone who can reach "
               "this port can use the model", file=sys.stderr)

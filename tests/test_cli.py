@@ -1,0 +1,75 @@
+"""The command lines as a newcomer meets them: mistakes get one line that says what to do."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minserve.__main__ import main
+from minserve.models import resolve_device
+from minserve.server.cli import port_problem
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_mistyped_serve_flag_prints_serves_usage_and_the_flag_it_meant(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--batch-size", "4"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: minserve serve")  # serve's usage, not the top level's
+    assert "--batch-size -> --max-batch-size" in err
+
+
+def test_a_device_this_machine_lacks_is_a_one_line_value_error():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the error case cannot arise here")
+    with pytest.raises(ValueError, match="sees no CUDA GPU.*use device 'cpu' or 'auto'"):
+        resolve_device("cuda")
+    with pytest.raises(ValueError, match="not a device name"):
+        resolve_device("gpu")
+    assert resolve_device("cpu").type == "cpu"
+
+
+def test_minserve_serve_with_device_cuda_on_a_cpu_machine_exits_2_with_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    r = subprocess.run([sys.executable, "-m", "minserve", "serve", "--device", "cuda",
+                        "--model", "/nonexistent", "--port", "0"], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and "AssertionError" not in r.stderr
+    assert "minserve serve: error: device='cuda'" in r.stderr
+
+
+def test_a_port_in_use_is_named_with_the_flag_and_variable_that_change_it():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        problem = port_problem("127.0.0.1", port, "--port", "MINSERVE_PORT")
+    assert problem and f"127.0.0.1:{port}" in problem
+    assert "--port N or MINSERVE_PORT=N" in problem
+    assert port_problem("127.0.0.1", 0, "--port", "MINSERVE_PORT") is None
+
+
+@pytest.mark.parametrize("cmd, variable", [
+    (["-m", "minserve", "serve"], "MINSERVE_PORT"), (["app.py"], "MINSERVE_APP_PORT")])
+def test_serve_and_the_demo_refuse_a_busy_port_before_loading_the_model(cmd, variable):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, *cmd, "--port", str(port), "--model", "/nonexistent"],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"--port N or {variable}=N" in r.stderr
+    assert "loading" not in r.stderr  # refused before any model work
