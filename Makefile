@@ -10,7 +10,10 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.minserve-installed
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup browser demo demo-cli serve test test-fast lint clean
+ARGS    ?=
+NB_PORT ?= 8888
+
+.PHONY: setup browser demo demo-cli serve notebooks test test-fast screenshots lint clean
 
 setup: $(STAMP)
 
@@ -28,20 +31,29 @@ browser:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	else echo "note: no /usr/bin/chromium and no apt-get: the browser test will be skipped"; fi
 
+# Options pass through: make demo ARGS="--port 7861 --policy fcfs"
 demo: setup          # the multi-user Gradio chat on the embedded model: http://127.0.0.1:7860
-	$(BIN)/python app.py
+	$(BIN)/python app.py $(ARGS)
 
 demo-cli: setup      # the same engine in the terminal: watch rows join and leave the batch
-	$(BIN)/python -m minserve demo
+	$(BIN)/python -m minserve demo $(ARGS)
 
 serve: setup         # OpenAI-compatible HTTP server on 127.0.0.1:8000
-	$(BIN)/python -m minserve serve
+	$(BIN)/python -m minserve serve $(ARGS)
+
+notebooks: setup     # JupyterLab on the lessons, loopback only: open the URL it prints
+	$(BIN)/jupyter lab --no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port=$(NB_PORT) \
+		--ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root) $(ARGS)
 
 test: setup browser
 	$(BIN)/python -m pytest -q
 
-test-fast: setup
-	$(BIN)/python -m pytest -q -m "not real_model"
+test-fast: setup      # tiny models only: no real-model tests, no real-model notebook
+	$(BIN)/python -m pytest -q -m "not real_model" --ignore=notebooks/01_one_tick.ipynb
+
+screenshots: setup browser  # refresh docs/img: the chat demo's and the notebooks' figures
+	MINSERVE_SCREENSHOT_DIR=docs/img $(BIN)/python -m pytest -q tests/test_app_browser.py
+	$(BIN)/python scripts/screenshots.py
 
 lint: setup
 	$(BIN)/ruff check minserve tests app.py

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,6 +13,33 @@ from minserve import Engine, EngineConfig
 from minserve.models import tiny_llama
 
 PHASES = ("admit_pending", "advance_prefill_chunk", "evict_finished", "decode_step")
+ROOT = Path(__file__).resolve().parents[1]
+WATCHED = ("docs", "notebooks", "README.md", "app.py", "minserve")
+
+
+def _fingerprints() -> dict[str, str]:
+    files = []
+    for name in WATCHED:
+        p = ROOT / name
+        files += [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file()
+                                           and "__pycache__" not in f.parts
+                                           and ".ipynb_checkpoints" not in f.parts]
+    return {str(f.relative_to(ROOT)): hashlib.sha1(f.read_bytes()).hexdigest() for f in files}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tests_write_no_tracked_file():
+    """Tests write only to temporary folders: `make test` must leave the docs, the
+    notebooks and the code as it found them. Refreshing the docs' images or tables is
+    a separate, deliberate command (`make screenshots`, MINSERVE_WRITE_DOCS=1)."""
+    if os.environ.get("MINSERVE_WRITE_DOCS") or os.environ.get("MINSERVE_SCREENSHOT_DIR"):
+        yield
+        return
+    before = _fingerprints()
+    yield
+    after = _fingerprints()
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, f"the test run changed files it must not write: {changed}"
 
 
 @pytest.fixture(scope="session")
