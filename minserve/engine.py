@@ -24,6 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from datetime import datetime, timezone
 from typing import Any, Union
 
 import torch
@@ -100,7 +101,7 @@ class Engine:
         self._worker: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self.last_tick_at: float | None = None  # time.monotonic() of the worker's last loop
+        self.last_tick_at: float | None = None  # time.time() of the worker's last loop
         self.trace: list[TickRecord] | None = None  # set to [] to record every tick
 
     # ================================================================ inputs
@@ -152,7 +153,8 @@ class Engine:
         # Per-request RNG: the same seed gives the same tokens whatever shares the batch.
         req.generator = make_generator(sampling.seed if sampling.seed is not None
                                        else self.config.seed * 1_000_003 + seq)
-        req.handle = RequestHandle(req.request_id, self.cancel, self.tokenizer, sampling.stop)
+        req.handle = RequestHandle(req.request_id, self.cancel, self.tokenizer, sampling.stop,
+                                   drive=self._drive_step_mode)
         return req
 
     # ================================================================ public API
@@ -174,6 +176,14 @@ class Engine:
         ok = self.scheduler.cancel(request_id)
         self._wake.set()
         return ok
+
+    def _drive_step_mode(self) -> bool:
+        """A handle's reader needs the next event: in step mode, run one tick for it
+        (True); with the worker running, it ticks (False: just wait)."""
+        if self.running or not self.scheduler.has_work():
+            return False
+        self.step()
+        return True
 
     def step(self) -> TickRecord:
         """One tick (T1..T4). In serving mode the worker calls this; don't call it yourself then."""
@@ -211,7 +221,12 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats()
         s.update(model=self.model_name, device=str(self.device), worker_alive=self.running,
-                 last_error=self.last_error, last_tick_at=self.last_tick_at)
+                 last_error=self.last_error,
+                 # wall-clock heartbeat: a time a reader can use, and how old it is
+                 last_tick_at=(None if self.last_tick_at is None else datetime.fromtimestamp(
+                     self.last_tick_at, timezone.utc).isoformat(timespec="milliseconds")),
+                 seconds_since_last_tick=(None if self.last_tick_at is None
+                                          else round(time.time() - self.last_tick_at, 3)))
         return s
 
     def check_invariants(self) -> None:
@@ -239,7 +254,7 @@ class Engine:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.last_tick_at = time.monotonic()  # heartbeat: a stuck worker stops updating it
+            self.last_tick_at = time.time()  # heartbeat: a stuck worker stops updating it
             try:
                 if not self.scheduler.has_work():
                     self._wake.wait(timeout=0.1)

@@ -9,6 +9,7 @@ are counted by gate, and the report files are written.
 from __future__ import annotations
 
 import json
+import re
 import math
 
 import numpy as np
@@ -242,7 +243,7 @@ def test_report_json_html_and_ratio_table_are_written(tmp_path):
     slow.target, slow.t_end = "hf-static", slow.t_start + 3.2  # half the throughput
     comp = comparison([fast, slow])
     assert comp["hf-static"]["speedup"] == pytest.approx(2.0)
-    assert "**2.00x**" in markdown_table([fast, slow])
+    assert "**minserve 2.00x faster**" in markdown_table([fast, slow])
     j = write_json(tmp_path / "r.json", {"runs": [fast.to_dict(), slow.to_dict()]})
     data = json.loads(j.read_text())
     assert data["runs"][0]["summary"]["refusals_by_gate"] == {"G1": 1, "G2": 1}
@@ -260,4 +261,19 @@ def test_bench_command_writes_its_files(tmp_path, capsys):
                  "--name", "t"]) == 0
     data = json.loads((tmp_path / "t.json").read_text())
     assert [r["target"] for r in data["runs"]] == ["minserve", "hf-static"]
-    assert (tmp_path / "t.html").exists() and "speed-up" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "minserve vs this target" in out
+    assert re.search(r"\| hf-static \|.*\| \*\*minserve \d+\.\d\dx (faster|as fast \(slower\))\*\* \|", out)
+    # the report is small: plotly.js is written once beside it, not inlined in every page
+    html = (tmp_path / "t.html").read_text()
+    assert len(html) < 500_000 and 'src="plotly.min.js"' in html
+    assert (tmp_path / "plotly.min.js").stat().st_size > 1_000_000
+
+
+def test_bench_help_shows_every_default(capsys):
+    from minserve.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert "(default: 40)" in out and "(default: inf)" in out

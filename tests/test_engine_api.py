@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -158,3 +160,19 @@ def test_a_tiny_positive_temperature_samples_like_greedy_and_fails_nobody(tiny_m
     assert all(o.finish_reason in ("length", "stop") for o in outs)
     assert outs[0].token_ids == hf_greedy(tiny_model, prompts[0], 6)[:len(outs[0].token_ids)]
     assert outs[1].token_ids == hf_greedy(tiny_model, prompts[1], 6)
+
+
+def test_stats_heartbeat_is_a_wall_clock_time_a_reader_can_use(tiny_model):
+    from datetime import datetime, timezone
+
+    engine = make_engine(tiny_model).start()
+    try:
+        deadline = time.monotonic() + 5
+        while engine.stats()["last_tick_at"] is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        s = engine.stats()
+    finally:
+        engine.stop()
+    at = datetime.fromisoformat(s["last_tick_at"])
+    assert abs((datetime.now(timezone.utc) - at).total_seconds()) < 60
+    assert 0 <= s["seconds_since_last_tick"] < 60

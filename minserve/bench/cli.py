@@ -35,9 +35,9 @@ from .runner import (
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
-    w.add_argument("--num-requests", "-n", type=int, default=40)
+    w.add_argument("--num-requests", "-n", type=int, default=40, help="requests in the workload")
     w.add_argument("--rate", type=float, default=math.inf,
-                   help="total requests/s, Poisson/gamma arrivals (default inf: all at t=0)")
+                   help="total requests/s, Poisson/gamma arrivals (inf: all at t=0)")
     w.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the gaps: 1 = Poisson, < 1 burstier")
     w.add_argument("--concurrency", type=int, default=None,
@@ -53,13 +53,14 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens from random words through the tokenizer, or random ids")
     w.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="stop at EOS (default: run every request to its output length)")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int, default=0, help="workload seed (same seed, same requests)")
     w.add_argument("--vocab-size", type=int, default=49152,
                    help="--url with --prompts ids and no local model: ids are drawn below this")
     t = p.add_argument_group("targets")
     t.add_argument("--url", default=None,
                    help="benchmark this OpenAI-compatible server instead of the in-process engine")
-    t.add_argument("--api", choices=["completions", "chat"], default="completions")
+    t.add_argument("--api", choices=["completions", "chat"], default="completions",
+                   help="endpoint used with --url")
     t.add_argument("--target-name", default=None,
                    help="label of the --url target in the report (default: the URL)")
     t.add_argument("--served-model", default=None, help="model name to send (default: the first)")
@@ -68,25 +69,31 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "none with --url)")
     t.add_argument("--model", default=None, help="local folder or hub id (default: embedded SmolLM2)")
     t.add_argument("--tiny", action="store_true", help="a tiny random Llama (smoke runs)")
-    t.add_argument("--device", default="cpu")
-    t.add_argument("--dtype", default="float32")
-    t.add_argument("--max-batch-size", type=int, default=8)
-    t.add_argument("--backend", default="padded", choices=["padded", "paged"])
-    t.add_argument("--policy", default="fcfs", choices=["fcfs", "fair"])
-    t.add_argument("--prefill-chunk-size", type=int, default=0)
-    t.add_argument("--max-queue-size", type=int, default=256)
-    t.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+    t.add_argument("--device", default="cpu", help="in-process engine and peers")
+    t.add_argument("--dtype", default="float32", help="model dtype")
+    t.add_argument("--max-batch-size", type=int, default=8,
+                   help="minserve's batch and the peers' batch")
+    t.add_argument("--backend", default="padded", choices=["padded", "paged"],
+                   help="minserve backend")
+    t.add_argument("--policy", default="fcfs", choices=["fcfs", "fair"],
+                   help="minserve policy")
+    t.add_argument("--prefill-chunk-size", type=int, default=0,
+                   help="0: monolithic prefill")
+    t.add_argument("--max-queue-size", type=int, default=256, help="gate G1")
+    t.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="turn minserve's prefix cache off")
     o = p.add_argument_group("overhead, output")
     o.add_argument("--overhead", action="store_true",
                    help="also measure a decode tick against a bare batched forward")
-    o.add_argument("--overhead-prompt-len", type=int, default=128)
-    o.add_argument("--overhead-ticks", type=int, default=32)
+    o.add_argument("--overhead-prompt-len", type=int, default=128,
+                   help="prompt tokens per row in --overhead")
+    o.add_argument("--overhead-ticks", type=int, default=32, help="decode ticks timed in --overhead")
     o.add_argument("--profile", action="store_true", help="print a cProfile of decode ticks")
     o.add_argument("--suite", choices=["docs"], default=None,
                    help="docs: the runs behind docs/benchmarks.md, and update that section")
-    o.add_argument("--out-dir", default="bench-results")
+    o.add_argument("--out-dir", default="bench-results", help="where the JSON and HTML go")
     o.add_argument("--name", default=None, help="file name stem (default: bench-<time>)")
-    o.add_argument("--no-progress", dest="progress", action="store_false")
+    o.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
 # ------------------------------------------------------------------ the command

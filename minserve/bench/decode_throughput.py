@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append((b, hf, ms, ms_dec))
         print(f"batch {b:3d}: HF generate {hf:7.1f} tok/s | minserve {ms:7.1f} tok/s "
               f"(decode ticks alone {ms_dec:7.1f}) | ratio minserve/HF {ms / hf:.2f}")
-    md = ["## Engine core: decode throughput vs HF `generate` (issue 2)", "",
+    md = ["## Engine core: decode throughput vs HF `generate`", "",
           "`python -m minserve.bench.decode_throughput` — embedded SmolLM2-135M, fp32, "
           f"{args.new_tokens} new tokens per request (EOS ignored), mixed prompt lengths 8–200, "
           "padded backend, one static batch on both sides, prefill included.", "",

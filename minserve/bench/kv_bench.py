@@ -1,4 +1,4 @@
-"""KV-cache benchmark (issue 3): prefix caching, paged vs padded decode, padding waste.
+"""KV-cache benchmark: prefix caching, paged vs padded decode, padding waste.
 
     python -m minserve.bench.kv_bench                 # embedded SmolLM2, fp32, ~3 minutes
 
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
               f"paged/padded {pag_t / pad_t:.2f} | padded KV that is padding {waste:.0%}")
     bpt = KVBlockStorage.for_model(model, 1, 16).bytes_per_token()
     cfg = model.config
-    md = ["## KV cache: prefix caching, paged vs padded (issue 3)", "",
+    md = ["## KV cache: prefix caching, paged vs padded", "",
           "`python -m minserve.bench.kv_bench` — embedded SmolLM2-135M, fp32.", "",
           machine_line(), "",
           f"**TTFT with a shared 500-token system prompt** ({args.ttft_requests} requests, one at a "

@@ -52,13 +52,20 @@ def comparison(runs: list[RunResult], baseline: str | None = None) -> dict[str, 
 def markdown_table(runs: list[RunResult], baseline: str | None = None) -> str:
     baseline = baseline or (runs[0].target if runs else "")
     comp = comparison(runs, baseline)
-    lines = [f"| target | done | output tok/s | total tok/s | {baseline} speed-up "
-             "| TTFT p50 / p99 (s) "
+    lines = [f"| target | done | output tok/s | total tok/s | {baseline} vs this target "
+             "(output tok/s) | TTFT p50 / p99 (s) "
              "| ITL p50 / p99 (ms) | e2e p50 (s) |",
              "|---|---|---|---|---|---|---|---|"]
     for name, c in comp.items():
-        speed = "1 (baseline)" if name == baseline else \
-            (f"**{c['speedup']:.2f}x**" if c.get("speedup") else "–")
+        # Say the direction in words: a bare "1.11x" under a peer's row read as the
+        # peer being faster.
+        if name == baseline:
+            speed = "(baseline)"
+        elif c.get("speedup"):
+            x = c["speedup"]
+            speed = f"**{baseline} {x:.2f}x {'faster' if x >= 1 else 'as fast (slower)'}**"
+        else:
+            speed = "–"
         lines.append(
             f"| {name} | {c['completed']} | {_fmt(c['output_tokens_per_s'], digits=1)} | "
             f"{_fmt(c['total_tokens_per_s'], digits=1)} | {speed} | "
@@ -90,12 +97,15 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
 
 
 def write_html(path: str | Path, runs: list[RunResult], title: str = "minserve bench",
-               notes: str = "", include_plotlyjs: bool | str = True) -> Path:
-    """One self-contained page: a summary table and four panels per run set.
+               notes: str = "", include_plotlyjs: bool | str = "directory") -> Path:
+    """A page with a summary table and four panels per run set.
 
     TTFT CDF | ITL CDF
     output tokens over time | e2e latency by arrival time (or by output length)
-    (include_plotlyjs=True embeds plotly.js, so the page works offline.)
+
+    plotly.js (4.6 MB) is written once, as `plotly.min.js` beside the reports, and
+    each page loads it from there: pages stay small and still work offline.
+    (include_plotlyjs=True embeds it in the page instead.)
     """
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
@@ -142,6 +152,10 @@ def write_html(path: str | Path, runs: list[RunResult], title: str = "minserve b
     body = fig.to_html(full_html=False, include_plotlyjs=include_plotlyjs)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if include_plotlyjs == "directory" and not (path.parent / "plotly.min.js").exists():
+        from plotly.offline import get_plotlyjs
+
+        (path.parent / "plotly.min.js").write_text(get_plotlyjs())
     path.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title>"
                     f"</head><body style='font-family:sans-serif'><h2>{title}</h2>"
                     f"<p>{notes}</p>{html_table}{body}</body></html>")

@@ -1,4 +1,4 @@
-"""Scheduling benchmark (issue 4): chunked vs monolithic prefill, FCFS vs VTC.
+"""Scheduling benchmark: chunked vs monolithic prefill, FCFS vs VTC.
 
     python -m minserve.bench.sched_bench          # embedded SmolLM2, fp32, a few minutes
 
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:>5}: light TTFT p50 {r['light_p50']:.2f} s p99 {r['light_p99']:.2f} s | heavy "
               f"p50 {r['heavy_p50']:.2f} s p99 {r['heavy_p99']:.2f} s | Jain {r['jain']:.3f}")
     mono, chk = cm["monolithic"], cm[f"chunked {args.chunk}"]
-    md = ["## Scheduling: chunked prefill and fairness (issue 4)", "",
+    md = ["## Scheduling: chunked prefill and fairness", "",
           "`python -m minserve.bench.sched_bench` — embedded SmolLM2-135M, fp32, step mode on a "
           "fixed arrival trace (arrivals pinned to ticks), wall-clock times.", "", machine_line(), "",
           f"**Chunked vs monolithic prefill**: 4 chat streams decoding (48 tokens each) when a "
