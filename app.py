@@ -33,7 +33,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from minserve.chat.logic import NOISY_SESSION, ChatApp
+from minserve.chat.logic import APP_DEFAULTS, FLOOD_DEFAULTS, NOISY_SESSION, ChatApp
 from minserve.config import EngineConfig
 from minserve.inspection import viz
 from minserve.inspection.trace import Trace, engine_config
@@ -45,7 +45,6 @@ from minserve.server.cli import (
     port_problem,
 )
 
-APP_DEFAULTS = {"policy": "fair", "max_queue_size": 64, "num_blocks": 256}  # over EngineConfig's
 POLICY_LINES = {
     "fair": "**Fair (VTC)**: each browser session is a tenant; the session served least goes "
             "next (P2). A flood from one session cannot push you back.",
@@ -226,11 +225,14 @@ def build_app(engine, *, history_messages: int = 12, panel_interval: float = 1.0
                 with gr.Accordion("Noisy neighbour: flood the engine from another session",
                                   open=True):
                     with gr.Row():
-                        n_total = gr.Slider(1, 256, value=48, step=1, label="requests")
-                        n_flight = gr.Slider(1, 64, value=24, step=1, label="in flight")
+                        n_total = gr.Slider(1, 256, value=FLOOD_DEFAULTS["total"], step=1, label="requests")
+                        n_flight = gr.Slider(1, 64, value=FLOOD_DEFAULTS["in_flight"], step=1,
+                                             label="in flight")
                     with gr.Row():
-                        n_tokens = gr.Slider(8, 512, value=128, step=8, label="longest reply (tokens)")
-                        n_secs = gr.Slider(5, 600, value=120, step=5, label="at most (s)")
+                        n_tokens = gr.Slider(8, 512, value=FLOOD_DEFAULTS["max_tokens"], step=8,
+                                             label="longest reply (tokens)")
+                        n_secs = gr.Slider(5, 600, value=FLOOD_DEFAULTS["duration_s"], step=5,
+                                           label="at most (s)")
                     with gr.Row():
                         flood_btn = gr.Button("Start flood", variant="secondary")
                         unflood_btn = gr.Button("Stop flood")

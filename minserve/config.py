@@ -46,6 +46,7 @@ class EngineConfig:
     # --- queues and batch (Q) -------------------------------------------------
     max_batch_size: int = 8  # rows in prefilling + active together (Q3)
     max_queue_size: int = 256  # gate G1: pending requests beyond this are refused
+    max_rows_per_session: int | None = None  # batch rows one session may hold; None: no cap
 
     # --- policy (P) -------------------------------------------------------------
     policy: str = "fcfs"  # "fcfs" (P1) | "fair" (P2, VTC)
@@ -78,6 +79,9 @@ class EngineConfig:
         need(isinstance(self.device, str) and self.device != "", "device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
         need(_pos_int(self.max_batch_size), f"max_batch_size={self.max_batch_size!r}; use an int >= 1")
         need(_pos_int(self.max_queue_size), f"max_queue_size={self.max_queue_size!r}; use an int >= 1")
+        need(self.max_rows_per_session is None or _pos_int(self.max_rows_per_session),
+             f"max_rows_per_session={self.max_rows_per_session!r}; use an int >= 1, or None "
+             "for no cap")
         need(self.policy in POLICIES, f"policy={self.policy!r}; use one of {POLICIES}")
         need(self.fair_w_in >= 0 and self.fair_w_out >= 0 and self.fair_w_in + self.fair_w_out > 0,
              "fair_w_in and fair_w_out must be >= 0 and not both 0")

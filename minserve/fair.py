@@ -192,6 +192,9 @@ class FairPolicy(Policy):
         req = self._peeked if self._peeked is not None else self.peek_next()
         if req is None:
             raise IndexError("pick_next on an empty queue")
+        return self.pick(req)
+
+    def pick(self, req: Request) -> Request:
         self.remove(req)
         self._running[req.session_id] = self._running.get(req.session_id, 0) + 1
         return req

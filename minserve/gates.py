@@ -76,6 +76,17 @@ def check_block_pool(blocks_needed: int, free_blocks: int, prompt_blocks: int,
     return None
 
 
+def session_cap_hold(session: str, rows: int, cap: int | None) -> Rejection | None:
+    """Not a gate either: the head's session already holds `cap` batch rows, so the next
+    waiting request of another session goes first (soft; `max_rows_per_session`)."""
+    if cap is not None and rows >= cap:
+        return Rejection(gate="batch", reason="session_cap", hard=False,
+                         message=f"session {session!r} already holds {rows} batch rows, its "
+                                 f"cap; other sessions go first",
+                         numbers={"session_rows": rows, "max_rows_per_session": cap})
+    return None
+
+
 def batch_slot_hold(rows: int, max_batch_size: int) -> Rejection | None:
     """Not a gate of its own: every batch row is taken, so the head waits (soft)."""
     if rows >= max_batch_size:

@@ -46,6 +46,12 @@ class Policy(ABC):
     def remove(self, req: Request) -> None:
         """Take a waiting request out (cancelled, or refused by a gate)."""
 
+    def pick(self, req: Request) -> Request:
+        """Admit a waiting request that is not the head: admission skipped a head whose
+        session already holds its share of the batch (`max_rows_per_session`)."""
+        self.remove(req)
+        return req
+
     def on_tokens_processed(self, req: Request, prompt_tokens: int, output_tokens: int) -> None:
         """`req` just had `prompt_tokens` computed in prefill / `output_tokens` decoded."""
 

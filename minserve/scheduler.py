@@ -131,7 +131,9 @@ class Scheduler:
         """T1: move requests from `pending` to `prefilling` while the gates allow.
 
         Peek the policy's head; check a batch row is free, then G2 (KV
-        reservation) and G3 (block pool). Pass -> pick it, reserve
+        reservation) and G3 (block pool). With `max_rows_per_session`, a head
+        whose session already holds that many rows lets the first waiting
+        request of another session go ahead of it. Pass -> pick it, reserve
         prompt_len + max_tokens (R1), allocate its blocks (cached prefix
         reused, K2) and open its staging row. Soft hold -> stop; the head keeps
         its place (G4). Hard reject -> finish it with the gate's reason (G6) and
@@ -142,13 +144,25 @@ class Scheduler:
         """
         rec = AdmitRecord()
         with self.lock, self.queue_lock:
-            while (req := self.policy.peek_next()) is not None:
-                rejection = self._run_gates(req)
+            while (head := self.policy.peek_next()) is not None:
+                req, rejection = head, self._run_gates(head)
+                if rejection is None or not rejection.hard:
+                    capped = self._session_cap(head)
+                    if capped is not None:  # its session holds its share: skip to another's
+                        other = next((r for r in self.policy if self._session_cap(r) is None),
+                                     None)
+                        if other is None:
+                            rejection = capped
+                        else:
+                            req, rejection = other, self._run_gates(other)
                 if rejection is not None and not rejection.hard:
                     self.kv_admit_blocked[rejection.gate] += 1
                     rec.held = {"request_id": req.request_id, "rejection": rejection.to_dict()}
                     break
-                self.policy.pick_next()
+                if req is head:
+                    self.policy.pick_next()
+                else:
+                    self.policy.pick(req)
                 if rejection is not None:  # hard: it can never fit on this engine
                     self.kv_admit_blocked[rejection.gate] += 1
                     self.rejected[rejection.gate] += 1
@@ -186,6 +200,15 @@ class Scheduler:
                 return r
         rows = len(self.prefilling) + len(self.active)
         return g2 or gates.batch_slot_hold(rows, self.config.max_batch_size) or g3
+
+    def _session_cap(self, req: Request) -> Rejection | None:
+        """`max_rows_per_session`: a session that holds that many rows (prefilling or
+        active) waits while another session's request is admitted ahead of it."""
+        cap = self.config.max_rows_per_session
+        if cap is None:
+            return None
+        rows = sum(r.session_id == req.session_id for r in self.prefilling + self.active)
+        return gates.session_cap_hold(req.session_id, rows, cap)
 
     @property
     def _kv_grows_in_pool(self) -> bool:

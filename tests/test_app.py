@@ -24,7 +24,7 @@ from gradio_client import Client
 
 import app as chat_demo
 from minserve import Engine, EngineConfig
-from minserve.chat.logic import NOISY_SESSION, NOTICE, STOPPED, chat_messages, text_of
+from minserve.chat.logic import APP_DEFAULTS, FLOOD_DEFAULTS, NOISY_SESSION, NOTICE, STOPPED, chat_messages, text_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -192,6 +192,34 @@ def test_noisy_backlog_is_overtaken_by_a_chat_under_fair_but_not_fcfs(serve, pol
         assert overtaken, "under fair, the chat should go ahead of the noisy backlog"
     else:
         assert not overtaken, f"under fcfs, {overtaken} arrived first and should go first"
+    assert wait_for(engine.scheduler.is_drained)
+
+
+def test_a_light_user_gets_a_row_at_the_next_tick_under_the_demos_defaults(serve):
+    """The demo's engine (APP_DEFAULTS: fair + a row cap per session) under its default
+    flood: the flood never holds more than its cap of the batch, so a chat is admitted
+    at the tick after it arrives instead of waiting for a flood reply to finish
+    (docs/demo.md, "How long a light user waits", times the same on the real model)."""
+    cap = APP_DEFAULTS["max_rows_per_session"]
+    engine, url, chat_app = serve(**{**APP_DEFAULTS, "max_batch_size": 8})
+    client = Client(url, verbose=False)
+    # long replies, so without the cap no flood row would free for dozens of ticks
+    client.predict(FLOOD_DEFAULTS["total"], FLOOD_DEFAULTS["in_flight"], 256, 60,
+                   api_name="/flood_start")
+    assert wait_for(lambda: engine.stats()["queues"]["pending"] >= 8)
+    out = client.predict("Hello", [], 0.0, 8, api_name="/chat")
+    client.predict(api_name="/flood_stop")
+    mine = next(w for w in out[2].split(" · ") if w.startswith("req-"))
+    ticks = engine.trace.ticks()
+    seen = next(i for i, t in enumerate(ticks)
+                if any(mine in t.queues.get(q, []) for q in ("pending", "prefilling", "active"))
+                or any(a["request_id"] == mine for a in t.admit.admitted))
+    admitted = next(i for i, t in enumerate(ticks)
+                    if any(a["request_id"] == mine for a in t.admit.admitted))
+    assert admitted - seen <= 1, f"the chat waited {admitted - seen} ticks for a row"
+    flood_rows = [sum(r != mine for q in ("prefilling", "active") for r in t.queues.get(q, []))
+                  for t in ticks]
+    assert max(flood_rows) == cap, f"the flood held {max(flood_rows)} rows; its cap is {cap}"
     assert wait_for(engine.scheduler.is_drained)
 
 

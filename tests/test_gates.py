@@ -129,3 +129,42 @@ def test_a_request_bigger_than_the_pool_is_refused_at_once_even_behind_a_full_ba
     assert [r["request_id"] for r in rec.admit.rejected] == [big.request_id]
     assert rec.admit.held["request_id"] == behind.request_id  # the next one waits for the row
     assert not busy.finished
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "fair"])
+def test_a_session_at_its_row_cap_lets_another_sessions_request_go_first(tiny_model, policy):
+    """max_rows_per_session: a flood of one session cannot take every batch row, so a
+    light user's request gets a row at the next admission instead of waiting for a
+    flood request to finish (FCFS too, where the flood is ahead of it in the queue)."""
+    engine = make_engine(tiny_model, policy=policy, max_batch_size=4, max_rows_per_session=3)
+    flood = [engine.submit([1 + i, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True),
+                           session_id="flood") for i in range(8)]
+    rec = engine.step()
+    assert len(rec.admit.admitted) == 3  # the fourth row is left to somebody else
+    assert rec.admit.held["rejection"]["reason"] == "session_cap"
+    light = engine.submit([7, 8], SamplingParams(max_tokens=2, ignore_eos=True),
+                          session_id="light")
+    rec = engine.step()
+    assert [a["request_id"] for a in rec.admit.admitted] == [light.request_id]
+    assert light.events and light.events[0].index == 0  # first token in that same tick
+    for _ in range(200):
+        if not engine.scheduler.has_work():
+            break
+        engine.step()
+        s = engine.scheduler
+        assert sum(r.session_id == "flood" for r in s.prefilling + s.active) <= 3
+    assert all(h.output.finish_reason == "length" for h in flood + [light])
+    assert engine.scheduler.is_drained()
+
+
+def test_without_a_cap_the_light_request_waits_for_a_flood_row_to_free(tiny_model):
+    engine = make_engine(tiny_model, policy="fair", max_batch_size=4)
+    for i in range(8):
+        engine.submit([1 + i, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True),
+                      session_id="flood")
+    engine.step()
+    light = engine.submit([7, 8], SamplingParams(max_tokens=2, ignore_eos=True),
+                          session_id="light")
+    rec = engine.step()
+    assert not rec.admit.admitted and not light.events  # every row is the flood's
+    assert rec.admit.held["rejection"]["reason"] == "batch_full"

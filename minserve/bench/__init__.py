@@ -17,10 +17,12 @@
     run.summary()["ttft"]["p99"]
 
 `sched_bench.py` is the scheduling benchmark, `kv_bench.py` the KV-cache one,
-`decode_throughput.py` the decode-throughput one; `docs_report.py` writes each
+`decode_throughput.py` the decode-throughput one; `demo_wait.py` times the chat
+demo's light user under its flood (docs/demo.md); `docs_report.py` writes each
 benchmark's own section of docs/benchmarks.md.
 
-May import: the core (it builds Engines) and its own modules; `targets.py`
+May import: the core (it builds Engines), its own modules and `minserve.chat`
+(`demo_wait.py` measures the demo's own logic, not a copy of it); `targets.py`
 speaks HTTP to any OpenAI-compatible server (minserve's or another) through
 httpx, never through `minserve.server`. Never imported by the core.
 """
