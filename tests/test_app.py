@@ -24,7 +24,15 @@ from gradio_client import Client
 
 import app as chat_demo
 from minserve import Engine, EngineConfig
-from minserve.chat.logic import APP_DEFAULTS, FLOOD_DEFAULTS, NOISY_SESSION, NOTICE, STOPPED, chat_messages, text_of
+from minserve.chat.logic import (
+    APP_DEFAULTS,
+    FLOOD_DEFAULTS,
+    NOISY_SESSION,
+    NOTICE,
+    STOPPED,
+    chat_messages,
+    text_of,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 

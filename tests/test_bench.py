@@ -9,8 +9,8 @@ are counted by gate, and the report files are written.
 from __future__ import annotations
 
 import json
-import re
 import math
+import re
 
 import numpy as np
 import pytest
