@@ -51,6 +51,49 @@ POLICY_LINES = {
     "fcfs": "**FCFS**: first come, first served (P1). A flood queued before you runs before you; "
             "restart with `--policy fair` to compare.",
 }
+# Requirement ids the page shows (policy line, queue cards, summary, refusals, fairness
+# titles). Their legend is read from the repository's own design account, docs/spec.md.
+PAGE_IDS = ("Q1", "Q2", "Q3", "P1", "P2", "P4", "G1", "G2", "G3", "G4", "R1")
+SPEC_DOC = Path(__file__).resolve().parent / "docs" / "spec.md"
+TABLE_NOTE = (
+    "**wait**: requests queued · **run**: batch rows (prefilling or decoding) · **tokens**: "
+    "replies still streaming included · **stopped**: ended by Stop or a closed tab · "
+    "**VTC**: the fair policy's counter of weighted tokens served (P2): the least-served "
+    "waiting session goes next. A counter **jumps** when its session sends after having "
+    "nothing waiting (a new tab's first message): the *arrival lift* (P4) raises it to the "
+    "least-served waiting session's counter (or the last-served one's), so idle time is "
+    "not banked as credit.")
+
+
+def spec_legend(ids=PAGE_IDS, doc: Path = SPEC_DOC) -> str:
+    """'**G1** Queue capacity, checked at submit: ...' for each id: the first sentence of
+    its entry in docs/spec.md (one source of truth for what an id means)."""
+    text = doc.read_text(encoding="utf-8") if doc.exists() else ""
+    lines = []
+    for rid in ids:
+        entry = text.partition(f"\n**{rid}** ")[2].split("\n- ")[0].split("\n\n")[0]
+        entry = " ".join(entry.split())
+        first = entry.split(". ")[0].rstrip(".") + "." if entry else "see docs/spec.md."
+        lines.append(f"- **{rid}** {first}")
+    return ("Ids such as R1 name a rule of the design; `docs/spec.md` in the repository "
+            "says where each is built and tested.\n\n" + "\n".join(lines))
+
+
+def waiting_figure(name: str):
+    """What a panel tab shows before the engine's first tick: a sentence, not an empty box."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    fig.add_annotation(text=f"{name}: no tick yet.<br>Send a message or start the flood; "
+                            "the panel redraws about once a second.",
+                       showarrow=False, font={"size": 14}, x=0.5, y=0.5, xref="paper",
+                       yref="paper")
+    fig.update_layout(height=260, xaxis={"visible": False}, yaxis={"visible": False},
+                      plot_bgcolor="rgba(0,0,0,0)", paper_bgcolor="rgba(0,0,0,0)",
+                      margin={"l": 10, "r": 10, "t": 10, "b": 10})
+    return fig
+
+
 THEME = gr.themes.Soft(font=["ui-sans-serif", "system-ui", "sans-serif"],  # no web fonts:
                        font_mono=["ui-monospace", "monospace"])  # the demo works offline
 
@@ -91,8 +134,8 @@ PANEL_FIGURES = {
     "KV blocks": lambda rec, trace: viz.kv_blocks(rec, trace, columns=32),
     "Fairness": fairness_figure,
 }
-TABLE_HEADERS = ["session", "queued", "running", "done", "tokens", "refused", "stopped",
-                 "TTFT s", "VTC"]
+TABLE_HEADERS = ["session", "wait", "run", "done", "tokens", "refused", "stopped", "TTFT s",
+                 "VTC"]  # short: nine columns share half a 1440 px window (TABLE_NOTE says more)
 
 
 class LivePanel:
@@ -133,7 +176,8 @@ class LivePanel:
         window = engine.trace
         ticks = window.ticks() if hasattr(window, "ticks") else list(window)
         trace = Trace(config=engine_config(engine), ticks=ticks)
-        figs = [f(rec, trace) if rec is not None else None for f in PANEL_FIGURES.values()]
+        figs = [f(rec, trace) if rec is not None else waiting_figure(name)
+                for name, f in PANEL_FIGURES.items()]
         for fig in figs:
             if fig is not None:  # the viz figures are 1000 px wide: fit the column instead
                 fig.update_layout(width=None, autosize=True)
@@ -167,11 +211,18 @@ def session_rows(s: dict, rec, book: dict) -> list[list]:
                 sess = rec.requests.get(rid, {}).get("session", "?")
                 where.setdefault(sess, [0, 0])[min(i, 1)] += 1
     counters = s["policy"].get("counters", {})
+    streaming: dict[str, int] = {}  # tokens of replies still running: the book counts a
+    if rec is not None:             # reply when it ends, the table shows it as it grows
+        for rid in rec.queues.get("prefilling", []) + rec.queues.get("active", []):
+            card = rec.requests.get(rid, {})
+            sess = card.get("session", "?")
+            streaming[sess] = streaming.get(sess, 0) + int(card.get("output_len", 0))
     rows = []
     for sess in sorted(set(book) | set(where), key=lambda x: (x == NOISY_SESSION, x)):
         c, (waiting, running) = book.get(sess), where.get(sess, [0, 0])
         ttft = c.last_ttft if c else None
-        rows.append([sess, waiting, running, c.finished if c else 0, c.tokens if c else 0,
+        tokens = (c.tokens if c else 0) + streaming.get(sess, 0)
+        rows.append([sess, waiting, running, c.finished if c else 0, tokens,
                      c.refused if c else 0, c.cancelled if c else 0,
                      "" if ttft is None else round(ttft, 2),
                      round(counters[sess]) if sess in counters else "—"])
@@ -190,8 +241,8 @@ def build_app(engine, *, history_messages: int = 12, panel_interval: float = 1.0
         async for out in app.chat(message, history, temperature, max_tokens, request):
             yield out
 
-    def stop(request: gr.Request):
-        return app.stop(request)
+    async def stop(request: gr.Request):
+        return await app.stop(request)
 
     def refresh(request: gr.Request):
         return panel.render(app.session_of(request))
@@ -241,6 +292,7 @@ def build_app(engine, *, history_messages: int = 12, panel_interval: float = 1.0
                 summary = gr.Markdown(elem_id="summary")
                 table = gr.Dataframe(headers=TABLE_HEADERS, label="sessions", interactive=False,
                                      elem_id="sessions")
+                gr.Markdown(TABLE_NOTE, elem_id="table-note")
                 plots = []
                 with gr.Tabs():
                     for name in PANEL_FIGURES:
@@ -248,6 +300,8 @@ def build_app(engine, *, history_messages: int = 12, panel_interval: float = 1.0
                             plots.append(gr.Plot(show_label=False))
                 with gr.Accordion("engine.stats()", open=False):
                     raw = gr.JSON()
+                with gr.Accordion("What the ids mean (Q1, P2, G1, R1, ...)", open=False):
+                    gr.Markdown(spec_legend(), elem_id="legend")
 
         chat_io = dict(fn=chat, inputs=[msg, chatbot, temperature, max_tokens],
                        outputs=[chatbot, msg, status], concurrency_limit=None,

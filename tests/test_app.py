@@ -13,6 +13,7 @@ itself, as a user would, on the embedded SmolLM2.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from minserve.chat.logic import (
     NOTICE,
     STOPPED,
     chat_messages,
+    friendly_refusal,
     text_of,
 )
 
@@ -143,13 +145,73 @@ def test_stop_cancels_the_request_and_the_engine_drains(serve):
     client = Client(url, verbose=False)
     job = client.submit("Tell me a long story", [], 0.0, 500, api_name="/chat")
     assert wait_for(lambda: len(job.outputs()) >= 3), "no tokens streamed"
-    assert "stopping 1 request" in client.predict(api_name="/stop")
+    answer = client.predict(api_name="/stop")  # it waits for the eviction (next tick)
+    assert answer.endswith("stopped") and "stopping" not in answer, answer
     final = job.result(timeout=30)
     text = reply_of(final)
-    assert text.endswith(STOPPED) and "cancelled" in final[2]
+    assert text.endswith(STOPPED) and final[2].endswith("stopped"), final[2]
     assert wait_for(engine.scheduler.is_drained), "the stopped request still holds resources"
     assert engine.stats()["tokens_generated"] < 500
     engine.check_invariants()
+
+
+def test_stop_on_a_queued_request_says_stopped_not_stopping(serve):
+    """A queued request's cancel is immediate, so the chat's own last status line comes
+    *before* Stop's answer, and the page shows whichever comes last: Stop must answer
+    with the final state, or the status says "stopping" for as long as the page is open."""
+    engine, url, _ = serve(max_batch_size=1)
+    client = Client(url, verbose=False)
+    client.predict(1, 1, 512, 60, api_name="/flood_start")  # holds the only row
+    assert wait_for(lambda: engine.stats()["queues"]["active"] == 1)
+    job = client.submit("Hello there", [], 0.0, 64, api_name="/chat")
+    assert wait_for(lambda: engine.stats()["queues"]["pending"] == 1), "the chat is not queued"
+    answer = client.predict(api_name="/stop")
+    final = job.result(timeout=30)
+    assert answer.endswith("stopped") and "stopping" not in answer, answer
+    assert final[2].endswith("stopped") and reply_of(final).endswith(STOPPED), final[2]
+    assert engine.stats()["queues"]["active"] == 1, "Stop in one session hit another's request"
+    client.predict(api_name="/flood_stop")
+    assert wait_for(engine.scheduler.is_drained)
+
+
+def test_the_sessions_table_counts_tokens_of_a_reply_still_streaming(serve):
+    engine, url, chat_app = serve()
+    client = Client(url, verbose=False)
+    job = client.submit("Tell me a long story", [], 0.0, 400, api_name="/chat")
+    assert wait_for(lambda: len(job.outputs()) >= 4), "no tokens streamed"
+    rows = chat_demo.LivePanel(chat_app).render("nobody")[1]
+    mine = [r for r in rows if r[0].startswith("user-")]
+    assert mine and mine[0][2] == 1 and mine[0][3] == 0, rows  # running, none done yet
+    assert mine[0][4] > 0, f"tokens column {mine[0][4]} for a reply that is streaming"
+    client.predict(api_name="/stop")
+    job.result(timeout=30)
+    assert wait_for(engine.scheduler.is_drained)
+
+
+def test_the_panel_draws_a_sentence_before_the_first_tick_and_every_id_has_a_legend(serve):
+    """No empty plot boxes on a fresh page; and every requirement id the page can show
+    (policy line, note, summary, refusals, every panel figure under a flood) is one the
+    legend explains, from docs/spec.md."""
+    engine, url, chat_app = serve(max_batch_size=4, kv_budget_tokens=200)
+    panel = chat_demo.LivePanel(chat_app)
+    figs = panel.render("nobody")[2:2 + len(chat_demo.PANEL_FIGURES)]
+    assert all("no tick yet" in f.layout.annotations[0].text for f in figs)
+    client = Client(url, verbose=False)
+    client.predict(12, 8, 64, 60, api_name="/flood_start")
+    assert wait_for(lambda: engine.stats()["kv_admit_blocked"]["G2"] > 0), "no G2 hold to show"
+    panel._parts = None  # rebuild now
+    summary, _, *figs = panel.render("nobody")[:2 + len(chat_demo.PANEL_FIGURES)]
+    client.predict(api_name="/flood_stop")
+    page = " ".join([summary, chat_demo.TABLE_NOTE, *chat_demo.POLICY_LINES.values(),
+                     *(f.to_json() for f in figs),
+                     *(friendly_refusal({"gate": g, "numbers": {}}) for g in ("G1", "G2", "G3"))])
+    shown = set(re.findall(r"\b[QTPGCRBKDHA][0-9]\b", page))
+    assert shown and shown <= set(chat_demo.PAGE_IDS), shown - set(chat_demo.PAGE_IDS)
+    legend = chat_demo.spec_legend()
+    for rid in chat_demo.PAGE_IDS:
+        line = next(x for x in legend.splitlines() if x.startswith(f"- **{rid}** "))
+        assert "see docs/spec.md" not in line and len(line) > 30, line
+    assert wait_for(engine.scheduler.is_drained)
 
 
 def test_chat_abandoned_mid_stream_frees_its_row(serve):
@@ -176,7 +238,7 @@ def test_noisy_neighbour_is_bounded_and_stoppable(serve):
     assert "already flooding" in client.predict(5, 2, 400, 60, api_name="/flood_start")
     status = client.predict(api_name="/flood_stop")
     assert status.startswith("**stopped**") and "in flight 0" in status
-    assert "cancelled 2" in status
+    assert "stopped 2" in status
     assert wait_for(engine.scheduler.is_drained)
 
 

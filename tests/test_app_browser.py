@@ -93,6 +93,10 @@ def test_reply_streams_into_the_page_beside_the_live_panel(page_url, browser, tm
     page.wait_for_timeout(1500)
     assert page.locator("#summary").inner_text() != tick0
     assert "noisy-neighbour" in page.locator("#sessions").inner_text()
+    # every column of the sessions table is in view at 1440 px, the last (VTC) included
+    box, vtc = (page.locator("#sessions").bounding_box(),
+                page.locator("#sessions th").last.bounding_box())
+    assert vtc["x"] + vtc["width"] <= box["x"] + box["width"] + 1, (vtc, box)
 
     img.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(img / "app.png"), full_page=True)

@@ -154,6 +154,18 @@ def test_queue_columns_list_each_queue_in_order_and_mark_the_held_head(traces):
     assert held_seen > 0
 
 
+def test_every_kind_of_hold_gets_its_numbers_on_the_card():
+    """Each soft hold the scheduler can record reads with its own numbers (never 'None')."""
+    from minserve import gates
+    from minserve.inspection.viz.queues import _gate_line
+
+    holds = [gates.check_kv_budget(600, 3900, 4096), gates.check_block_pool(20, 12, 20, 64),
+             gates.batch_slot_hold(8, 8), gates.session_cap_hold("flood", 6, 6)]
+    lines = [_gate_line(h.to_dict()) for h in holds]
+    assert all("None" not in line for line in lines), lines
+    assert lines[3] == "held: its session has 6/6 rows" and "8 rows busy" in lines[2], lines
+
+
 def test_timeline_draws_what_each_request_did_in_each_tick(traces):
     trace = traces["padded"]
     fig = viz.timeline(trace)

@@ -39,7 +39,7 @@ APP_DEFAULTS = {"policy": "fair", "max_queue_size": 64, "num_blocks": 256,
 FLOOD_DEFAULTS = {"total": 48, "in_flight": 24, "max_tokens": 128, "duration_s": 120.0}
 NOISY_SESSION = "noisy-neighbour"
 NOTICE = "⚠️ "  # starts every message the app (not the model) writes into the chat
-STOPPED = "⏹ *stopped*"  # appended to a reply the user stopped
+STOPPED = "■ *stopped*"  # appended to a reply the user stopped (■: in every common font; ⏹ is not)
 NOISY_PROMPTS = (
     "Write a very long, detailed essay about the history of the printing press.",
     "List one hundred facts about the ocean, one per line, with explanations.",
@@ -242,7 +242,7 @@ class NoisyNeighbour:
         c = self.counts
         line = (f"**{self.state}** · sent {c['sent']}/{self.total} · done {c['done']} · "
                 f"in flight {len(self.outstanding)} · refused {c['refused']} · "
-                f"cancelled {c['cancelled']}")
+                f"stopped {c['cancelled']}")
         if self.running:
             line += f" · {max(0.0, self.deadline - time.monotonic()):.0f} s left"
         return line
@@ -349,21 +349,38 @@ class ChatApp:
             with self._lock:
                 self.handles.get(session, set()).discard(handle)
 
-    def stop(self, request=None) -> str:
-        """The user's Stop button: cancel this session's requests (evicted next tick)."""
-        session = self.session_of(request)
+    def cancel_session(self, session: str) -> list:
+        """Cancel this session's requests: a queued one ends now, a running one is
+        evicted at the next tick (T3). Returns the handles it cancelled."""
         with self._lock:
             handles = list(self.handles.get(session, ()))
         for h in handles:
             h.cancel()
-        return f"`{session}` · stopping {len(handles)} request(s)" if handles else \
-            f"`{session}` · nothing to stop"
+        return handles
+
+    async def stop(self, request=None, wait_s: float = 5.0) -> str:
+        """The user's Stop button. Answers with the final state, not "stopping": the
+        status line shows whichever of this answer and the chat's own last line comes
+        last, and for a queued request the chat's comes first (its cancel is immediate)."""
+        import asyncio
+
+        session = self.session_of(request)
+        handles = self.cancel_session(session)
+        if not handles:
+            return f"`{session}` · nothing to stop"
+        end = time.monotonic() + wait_s
+        while not all(h.finished for h in handles) and time.monotonic() < end:
+            await asyncio.sleep(0.02)  # a running row leaves at the next tick
+        return f"`{session}` · " + " · ".join(
+            describe_output(h.output) if h.finished else f"{h.request_id} stopping"
+            for h in handles)
 
     def forget(self, request=None) -> None:
         """The tab closed: cancel what it left running."""
-        self.stop(request)
+        session = self.session_of(request)
+        self.cancel_session(session)
         with self._lock:
-            self.handles.pop(self.session_of(request), None)
+            self.handles.pop(session, None)
 
     def close(self) -> None:
         self.noisy.stop()
@@ -371,7 +388,8 @@ class ChatApp:
 
 
 def describe_output(out) -> str:
-    """'req-7 · first token 0.31 s · 64 tokens in 2.4 s · length' for the status line."""
+    """'req-7 · first token after 0.31 s · 64 tokens in 2.4 s · length' for the status
+    line (or '... · stopped', 'req-7 · refused by G1')."""
     t = out.timing
     parts = [out.request_id]
     if out.rejection is not None:
@@ -381,5 +399,6 @@ def describe_output(out) -> str:
             parts.append(f"first token after {t['ttft']:.2f} s")
         if t.get("e2e") is not None:
             parts.append(f"{len(out.token_ids)} tokens in {t['e2e']:.1f} s")
-        parts.append(out.finish_reason or "")
+        # the engine says "cancelled"; the person pressed Stop, and the bubble says "stopped"
+        parts.append("stopped" if out.finish_reason == "cancelled" else out.finish_reason or "")
     return " · ".join(p for p in parts if p)

@@ -34,6 +34,8 @@ def _gate_line(rejection: dict[str, Any]) -> str:
                 f" > {n.get('kv_budget_tokens')} tokens")
     if rejection["gate"] == "G3":
         return f"held by G3: {n.get('blocks_needed')} blocks, {n.get('free_blocks')} free"
+    if rejection.get("reason") == "session_cap":
+        return f"held: its session has {n.get('session_rows')}/{n.get('max_rows_per_session')} rows"
     if rejection["gate"] == "batch":
         return f"held: all {n.get('max_batch_size')} rows busy"
     return f"held by {rejection['gate']}: {rejection['reason']}"
