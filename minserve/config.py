@@ -19,7 +19,7 @@ class PrefillMode(str, Enum):
     """How a prompt's tokens get through the model (SPEC C1, C2)."""
 
     MONOLITHIC = "monolithic"  # the whole prompt in one forward pass, in the tick of admission
-    CHUNKED = "chunked"  # Version A: one chunk of `prefill_chunk_size` per tick, its own pass
+    CHUNKED = "chunked"  # Version A: each prefilling row, one chunk per tick, its own pass
     MIXED_BATCH = "mixed_batch"  # Version B (Sarathi-Serve): chunk + decode rows in ONE pass
     DISAGGREGATED = "disaggregated"  # prefill and decode on different workers (DistServe)
 

@@ -246,10 +246,13 @@ class Scheduler:
         """T2: push prompt tokens of `prefilling` rows through the model.
 
         monolithic: every prefilling row's whole remaining prompt, one forward each.
-        chunked (Sarathi-style budget, Version A): at most `prefill_chunk_size`
-        prompt tokens this tick, taken from the rows in admission order, one
-        forward per row piece, so one giant prompt never freezes the decode
-        batch for more than one chunk.
+        chunked (Version A, SPEC C1): *every* prefilling row pushes its next
+        `prefill_chunk_size` prompt tokens, one forward per row piece. So a giant
+        prompt never freezes the decode batch for more than one chunk, and never
+        holds back a short prompt admitted after it: each row's prefill takes
+        ceil(remaining / chunk) ticks whoever else is prefilling. A tick's prompt
+        work is at most (rows prefilling) x chunk, and rows are at most
+        `max_batch_size` (Q3).
 
         On a row's final chunk: register its now-computed blocks (K3), sample
         its first token, stream it, and promote it through `_promote_to_decode`.
@@ -257,17 +260,14 @@ class Scheduler:
         """
         rec = PrefillRecord()
         chunked = self.config.prefill is PrefillMode.CHUNKED
-        budget = self.config.prefill_chunk_size if chunked else None
+        chunk_size = self.config.prefill_chunk_size if chunked else None
         with self.lock:
             for req in list(self.prefilling):
                 if req.cancel_requested:
                     continue  # T3 evicts it
-                if budget is not None and budget <= 0:
-                    break
                 start = req.num_computed_prompt_tokens
-                end = req.prompt_len if budget is None else min(req.prompt_len, start + budget)
-                if budget is not None:
-                    budget -= end - start
+                end = req.prompt_len if chunk_size is None else min(req.prompt_len,
+                                                                      start + chunk_size)
                 try:
                     chunk = self._prefill_piece(req, start, end)
                 except Exception as e:  # this row's piece failed: it fails alone

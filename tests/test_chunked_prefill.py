@@ -45,6 +45,32 @@ def test_active_streams_get_a_token_every_tick_while_a_2000_token_prompt_prefill
     assert long.output.token_ids == hf_greedy(tiny_model, long.output.prompt_token_ids, 4)
 
 
+@pytest.mark.parametrize("backend", ["padded", "paged"])
+def test_a_short_prompt_behind_a_2000_token_prompt_gets_its_first_token_within_two_ticks(
+        tiny_model, backend):
+    """C1: every prefilling row pushes its own next chunk each tick. With one chunk budget
+    shared in admission order, the 5-token prompt waited for all 16 chunks of the long one."""
+    engine = make_engine(tiny_model, backend=backend, prefill_chunk_size=128, max_batch_size=4,
+                         max_model_len=4096, num_blocks=400, enable_prefix_caching=False)
+    long = engine.submit([(7 * k) % 250 + 1 for k in range(2000)], SamplingParams(max_tokens=4))
+    engine.step()  # the long prompt is admitted and pushes its first chunk
+    short = engine.submit([3, 1, 4, 1, 5], SamplingParams(max_tokens=4))
+    ticks = []
+    while not short.events:
+        ticks.append(engine.step())
+        engine.check_invariants()
+    admitted = next(i for i, t in enumerate(ticks)
+                    if any(a["request_id"] == short.request_id for a in t.admit.admitted))
+    assert len(ticks) - admitted <= 2, f"first token {len(ticks) - admitted} ticks after admission"
+    assert not long.events, "the long prompt should still be prefilling"
+    for t in ticks:  # and the long prompt kept its own chunk every tick
+        assert [c["end"] - c["start"] for c in t.prefill.chunks
+                if c["request_id"] == long.request_id] == [128]
+    run_checked(engine)
+    assert short.output.token_ids == hf_greedy(tiny_model, [3, 1, 4, 1, 5], 4)
+    assert long.output.token_ids == hf_greedy(tiny_model, long.output.prompt_token_ids, 4)
+
+
 def test_monolithic_prefill_does_the_whole_prompt_in_one_forward(tiny_model):
     engine = make_engine(tiny_model, prefill_mode="monolithic", prefill_chunk_size=0)
     h = engine.submit([k % 250 + 1 for k in range(299)], SamplingParams(max_tokens=2))
@@ -74,4 +100,4 @@ def test_real_model_chunked_equals_monolithic_equals_hf(real_model, real_oracle,
     for p, o, m in zip(REAL_PROMPTS, outs, mono):
         ids = engine.encode(p)
         assert o.token_ids == m.token_ids == real_oracle(ids, 8)
-        assert o.timing["prefill_chunks"] >= -(-len(ids) // chunk)  # the budget is shared per tick
+        assert o.timing["prefill_chunks"] == -(-len(ids) // chunk)  # one chunk per tick per row

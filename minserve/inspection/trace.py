@@ -261,7 +261,7 @@ def request_states(trace: Trace) -> dict[str, list[dict[str, Any]]]:
             touched.add(rid)
         for rid in rec.queues.get("prefilling", []):
             if rid not in touched:
-                add(rid, t, PREFILL_WAIT, "no chunk budget left this tick")
+                add(rid, t, PREFILL_WAIT, "no chunk this tick")
                 touched.add(rid)
         if held is not None and held not in touched:
             j = rec.admit.held["rejection"]
