@@ -41,7 +41,6 @@ from minserve.inspection.viz.queues import COLUMNS
 from minserve.server.cli import (
     add_engine_arguments,
     engine_config_from_args,
-    env_name,
     port_problem,
 )
 
@@ -346,10 +345,7 @@ def config_from_args(args: argparse.Namespace, env: dict | None = None) -> tuple
                                                                                   str, int]:
     """(engine config, host, port): flag > environment > the app's defaults > EngineConfig's."""
     env = dict(os.environ if env is None else env)
-    for name, value in APP_DEFAULTS.items():
-        if not env.get(env_name(name)):
-            env[env_name(name)] = str(value)
-    config = engine_config_from_args(args, env)
+    config = engine_config_from_args(args, env, defaults=APP_DEFAULTS)
     host = args.host or env.get("MINSERVE_APP_HOST") or "127.0.0.1"
     port = args.port if args.port is not None else int(env.get("MINSERVE_APP_PORT") or 7860)
     return config, host, port

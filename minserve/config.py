@@ -24,7 +24,11 @@ class PrefillMode(str, Enum):
     DISAGGREGATED = "disaggregated"  # prefill and decode on different workers (DistServe)
 
 
-IMPLEMENTED_PREFILL_MODES = (PrefillMode.MONOLITHIC, PrefillMode.CHUNKED)
+IMPLEMENTED_PREFILL_MODES = (PrefillMode.MONOLITHIC, PrefillMode.CHUNKED, PrefillMode.MIXED_BATCH)
+# (prefill mode, backend) pairs that are built; any other pair fails at construction (C2)
+BUILT_MODE_BACKENDS = {(PrefillMode.MONOLITHIC, "padded"), (PrefillMode.MONOLITHIC, "paged"),
+                       (PrefillMode.CHUNKED, "padded"), (PrefillMode.CHUNKED, "paged"),
+                       (PrefillMode.MIXED_BATCH, "paged")}
 POLICIES = ("fcfs", "fair")
 BACKENDS = ("padded", "paged")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -109,7 +113,11 @@ class EngineConfig:
         # C2: named modes that are not built fail loudly, never silently fall back.
         need(mode in IMPLEMENTED_PREFILL_MODES,
              f"prefill_mode={mode.value!r} is named in the design (SPEC C2) but not implemented; "
-             f"use 'monolithic' or 'chunked'")
+             f"use 'monolithic', 'chunked' or 'mixed_batch'")
+        need((mode, self.backend) in BUILT_MODE_BACKENDS,
+             f"prefill_mode={mode.value!r} is built on the "
+             f"{' / '.join(sorted(b for m, b in BUILT_MODE_BACKENDS if m is mode))} backend, "
+             f"not backend={self.backend!r}")
         need(mode is not PrefillMode.CHUNKED or self.prefill_chunk_size > 0,
              "prefill_mode='chunked' needs prefill_chunk_size > 0")
 

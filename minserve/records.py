@@ -69,6 +69,7 @@ class TickRecord:
     backend: dict[str, Any] = field(default_factory=dict)  # backend.snapshot() after the tick
     blocks: list[dict[str, Any]] | None = None  # block manager snapshot, when there is one
     policy: dict[str, Any] = field(default_factory=dict)  # policy.stats() after the tick
+    forwards: list[int] = field(default_factory=list)  # tokens in each model forward it ran
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

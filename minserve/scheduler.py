@@ -73,6 +73,9 @@ class Scheduler:
         self.kv_length_metric = 0  # the backend's kv_length after the last decode step
         self.tokens_generated = 0
         self.prompt_tokens_computed = 0
+        self.forwards: list[int] = []  # tokens in each model forward of the tick in progress
+        self._planned: list[tuple[Request, dict[str, Any]]] = []  # mixed_batch: T2 -> T4
+        self._planned_record = PrefillRecord()  # ... and the T2 record those chunks are in
 
     # ================================================================= entry points
     def submit(self, req: Request) -> Rejection | None:
@@ -124,7 +127,9 @@ class Scheduler:
         """Close a tick whose phases ran (by `step`, or one by one in step mode): count
         it and return its record."""
         self.tick_count += 1
-        return self.snapshot_record(admit, prefill, evict, decode, duration_s, tick=self.tick_count)
+        rec = self.snapshot_record(admit, prefill, evict, decode, duration_s, tick=self.tick_count)
+        rec.forwards, self.forwards = self.forwards, []
+        return rec
 
     # ---------------------------------------------------------------- T1
     def admit_pending(self) -> AdmitRecord:
@@ -254,20 +259,35 @@ class Scheduler:
         work is at most (rows prefilling) x chunk, and rows are at most
         `max_batch_size` (Q3).
 
+        mixed_batch (Version B): the same chunk per row, but only *planned* here:
+        T4 runs them in the decode forward, one forward per tick in all. Their
+        records (`in_decode_forward`) get `first_token` when T4 has run.
+
         On a row's final chunk: register its now-computed blocks (K3), sample
         its first token, stream it, and promote it through `_promote_to_decode`.
-        After: rows in `prefilling` have 0 < remaining prompt tokens.
+        After (monolithic, chunked): rows in `prefilling` have 0 < remaining
+        prompt tokens.
         """
         rec = PrefillRecord()
-        chunked = self.config.prefill is PrefillMode.CHUNKED
-        chunk_size = self.config.prefill_chunk_size if chunked else None
+        mode = self.config.prefill
+        chunk_size = self.config.prefill_chunk_size or None  # None: the whole rest at once
+        if mode is PrefillMode.MONOLITHIC:
+            chunk_size = None
         with self.lock:
+            self._planned, self._planned_record = [], rec
             for req in list(self.prefilling):
                 if req.cancel_requested:
                     continue  # T3 evicts it
                 start = req.num_computed_prompt_tokens
                 end = req.prompt_len if chunk_size is None else min(req.prompt_len,
                                                                       start + chunk_size)
+                if mode is PrefillMode.MIXED_BATCH:  # T4 runs it, in the decode forward
+                    chunk = {"request_id": req.request_id, "start": start, "end": end,
+                             "final": end == req.prompt_len, "first_token": None,
+                             "in_decode_forward": True}
+                    self._planned.append((req, chunk))
+                    rec.chunks.append(chunk)
+                    continue
                 try:
                     chunk = self._prefill_piece(req, start, end)
                 except Exception as e:  # this row's piece failed: it fails alone
@@ -283,6 +303,12 @@ class Scheduler:
         """prompt[start:end] through the model; on the final piece, the first token and
         the promotion to decode."""
         logits = self.backend.prefill_chunk(req, start, end)
+        self.forwards.append(end - start)
+        return self._piece_done(req, start, end, logits)
+
+    def _piece_done(self, req: Request, start: int, end: int, logits) -> dict[str, Any]:
+        """After prompt[start:end] went through the model (its own forward, or the mixed
+        one): count it; on the final piece, the first token and the promotion."""
         req.num_computed_prompt_tokens = end
         req.timing.prefill_chunks += 1
         self.prompt_tokens_computed += end - start
@@ -366,7 +392,10 @@ class Scheduler:
     def decode_step(self) -> DecodeRecord:
         """T4: one batched forward for all active rows; one new token each,
         streamed at once. A row that hits EOS / stop / max_tokens gets its
-        finish reason here and is evicted by the next tick's T3.
+        finish reason here and is evicted by the next tick's T3. In mixed_batch
+        prefill the same forward carries the chunks T2 planned (Version B); a
+        row whose final chunk ran gets its first token and is promoted (C3), and
+        decodes from the next tick.
 
         Before: T3 ran, so no row in `active` is finished (T5); a finished row
         here raises instead of being skipped, so a reordered tick cannot pass
@@ -380,7 +409,10 @@ class Scheduler:
                     f"T5: decode_step found finished rows {finished} in `active`; run "
                     "evict_finished before decode_step (a finished row is never decoded again)")
             rows = list(self.active)
-            if not rows:
+            # mixed_batch: the chunks T2 planned, minus rows T3 evicted (cancelled)
+            planned = [(r, c) for r, c in self._planned if r in self.prefilling]
+            self._planned = []
+            if not rows and not planned:
                 rec.kv_length = self.kv_length_metric = self.backend.kv_length
                 return rec
             if self._kv_grows_in_pool:
@@ -389,13 +421,27 @@ class Scheduler:
             feed = [r.output_token_ids[-1] for r in rows]
             rec.positions = {r.request_id: r.num_tokens - 1 for r in rows}
             try:
-                logits = self.backend.decode_step_batched(rows, feed)  # (B, V)
+                if planned:  # Version B: decode rows and prompt chunks, ONE forward
+                    logits, chunk_logits = self.backend.forward_mixed(
+                        rows, feed, [(r, c["start"], c["end"]) for r, c in planned])
+                else:
+                    logits = self.backend.decode_step_batched(rows, feed)  # (B, V)
+                self.forwards.append(len(rows) + sum(c["end"] - c["start"] for _, c in planned))
             except Exception as e:  # one forward for all rows: each of them failed
-                for req in rows:
+                for req in rows + [r for r, _ in planned]:
                     self._fail_row(req, "decode forward", e)
                     rec.failed.append({"request_id": req.request_id, "error": req.error})
                 rec.kv_length = self.kv_length_metric = self.backend.kv_length
                 return rec
+            for (req, chunk), row_logits in zip(planned, chunk_logits if planned else []):
+                try:  # the row's first token if this was its final chunk, then promotion
+                    done = self._piece_done(req, chunk["start"], chunk["end"], row_logits)
+                    chunk["first_token"] = done["first_token"]
+                    if done["final"]:
+                        self._planned_record.promoted.append(req.request_id)
+                except Exception as e:
+                    self._fail_row(req, "prefill", e)
+                    rec.failed.append({"request_id": req.request_id, "error": req.error})
             for req, row_logits in zip(rows, logits):
                 try:
                     tok = self._append_token(req, row_logits)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from minserve import EngineConfig
 from minserve.__main__ import main
 from minserve.models import resolve_device
 from minserve.server.cli import port_problem
@@ -73,3 +74,30 @@ def test_serve_and_the_demo_refuse_a_busy_port_before_loading_the_model(cmd, var
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"--port N or {variable}=N" in r.stderr
     assert "loading" not in r.stderr  # refused before any model work
+
+
+def test_serving_front_ends_default_to_chunked_prefill_and_a_flag_or_variable_turns_it_off():
+    """A long prompt must not stall other users' streams for its whole prefill (C1):
+    `minserve serve` and the chat demo default to chunked prefill; EngineConfig (what a
+    notebook steps) keeps monolithic."""
+    import argparse
+
+    import app as chat_demo
+    from minserve.chat.logic import APP_DEFAULTS
+    from minserve.server.cli import SERVING_DEFAULTS, add_serve_arguments, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    served = engine_config_from_args(p.parse_args([]), {}, defaults=SERVING_DEFAULTS)
+    assert (served.prefill_mode, served.prefill_chunk_size) == ("chunked", 256)
+    assert "default 256" in p.format_help().replace("\n", " ")
+    off = engine_config_from_args(p.parse_args([]), {"MINSERVE_PREFILL_CHUNK_SIZE": "0"},
+                                  defaults=SERVING_DEFAULTS)
+    assert off.prefill_mode == "monolithic"
+    flag = engine_config_from_args(p.parse_args(["--prefill-chunk-size", "64"]),
+                                   {"MINSERVE_PREFILL_CHUNK_SIZE": "0"}, defaults=SERVING_DEFAULTS)
+    assert (flag.prefill_mode, flag.prefill_chunk_size) == ("chunked", 64)
+    demo, _, _ = chat_demo.config_from_args(chat_demo.parse_args([]), env={})
+    assert demo.prefill_mode == "chunked"
+    assert APP_DEFAULTS["prefill_chunk_size"] == SERVING_DEFAULTS["prefill_chunk_size"]
+    assert EngineConfig().prefill_mode == "monolithic"

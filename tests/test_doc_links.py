@@ -50,3 +50,16 @@ def test_every_relative_link_resolves(page):
 def test_the_link_checker_sees_links_and_headings():
     assert "docs/spec.md" in links(ROOT / "README.md")
     assert "how-long-a-light-user-waits" in anchors(ROOT / "docs" / "demo.md")
+
+
+def test_every_engine_knob_is_in_the_http_api_flag_table():
+    """docs/http_api.md's table of flags covers every EngineConfig field (a knob added
+    to the dataclass becomes a flag at once; its documentation must follow)."""
+    import dataclasses
+
+    from minserve import EngineConfig
+
+    text = (ROOT / "docs" / "http_api.md").read_text(encoding="utf-8").replace("--[no-]", "--")
+    missing = [f.name for f in dataclasses.fields(EngineConfig)
+               if "--" + f.name.replace("_", "-") not in text]
+    assert not missing, f"docs/http_api.md lists no flag for {missing}"

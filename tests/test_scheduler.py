@@ -128,8 +128,10 @@ def micro_model():
 
 
 def test_config_rejects_unknown_and_unbuilt_modes():
-    with pytest.raises(ValueError, match="not implemented"):
+    # C2: every (mode, backend) pair that is not built fails loudly at construction
+    with pytest.raises(ValueError, match="built on the paged backend, not backend='padded'"):
         EngineConfig(prefill_mode="mixed_batch")
+    assert EngineConfig(prefill_mode="mixed_batch", backend="paged").prefill_mode == "mixed_batch"
     with pytest.raises(ValueError, match="not implemented"):
         EngineConfig(prefill_mode="disaggregated")
     with pytest.raises(ValueError, match="max_batch_size"):

@@ -19,6 +19,11 @@ Contract, for every implementation:
 * `decode_step_batched(reqs, tokens)` appends one token per row (row i gets
   `tokens[i]` at position `req.num_tokens - 1`) and returns logits (B, V) in the
   order of `reqs`. Any subset of the decode batch may be given, in any order.
+* `forward_mixed(decode, tokens, chunks)` (Version B, `mixed_batch` prefill; only
+  backends with `supports_mixed_batch`) does both in ONE forward: a token for each
+  decode row and `prompt[start:end]` for each `(req, start, end)` chunk; it returns
+  the decode logits (B, V) and, per chunk, the (V,) logits if it was the prompt's
+  final chunk, else None.
 * `remove_row(req)` forgets a row wherever it is (staging or decode batch).
 * `kv_length` is a backend *metric* (its KV width), never scheduler state (R3).
 """
@@ -35,6 +40,7 @@ from ..request import Request
 
 class Backend(ABC):
     name: str = "base"
+    supports_mixed_batch: bool = False  # forward_mixed is built (EngineConfig checks it)
 
     @abstractmethod
     def begin_prefill(self, req: Request) -> None:
@@ -52,6 +58,12 @@ class Backend(ABC):
     @abstractmethod
     def decode_step_batched(self, reqs: list[Request], token_ids: list[int]) -> torch.Tensor:
         """One forward for these rows, one new token each; logits (B, V) in `reqs` order."""
+
+    def forward_mixed(self, decode: list[Request], tokens: list[int],
+                      chunks: list[tuple[Request, int, int]]) -> tuple[torch.Tensor, list]:
+        """Version B: decode rows and prefill chunks in one forward (see the contract)."""
+        raise NotImplementedError(f"the {self.name} backend has no mixed-batch forward; "
+                                  "use backend='paged' for prefill_mode='mixed_batch'")
 
     @abstractmethod
     def remove_row(self, req: Request) -> None:

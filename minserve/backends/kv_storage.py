@@ -7,7 +7,8 @@ PagedAttention", SOSP 2023): KV lives in fixed-size blocks of one preallocated
 pool, so a sequence grows one block at a time, never needs a contiguous region,
 and equal prefixes can share blocks.
 
-Layout: per layer, one key tensor and one value tensor, allocated once:
+Layout: per layer, one key tensor and one value tensor, allocated once. Readers
+index it token-major:
 
     key_cache[layer]   (num_blocks, block_size, H_kv, D)       value_cache: same
                         ─────┬──── ─────┬────
@@ -20,13 +21,16 @@ Layout: per layer, one key tensor and one value tensor, allocated once:
 
     token `pos` of a row  ->  flat slot  table[pos // 16] * 16 + pos % 16
 
-Why token-major inside a block ((block, slot, H, D) rather than vLLM's
-kernel-friendly (block, H, D/x, slot, x)): a `view(-1, H_kv, D)` of the pool is
-then a flat array of *slots*, one token each, so writing a token is one
-`flat[slot] = kv` and reading a row is one `flat[slots]` (spelled `index_copy_` /
+In memory the KV head comes first: `key_cache[layer]` is a permuted *view* of a
+(H_kv, num_blocks * block_size, D) tensor, `flat(layer)`. Why: attention runs per
+KV head, so one `index_select` over the flat slots returns every row's history
+already as (H_kv, B, L, D), contiguous, ready for a batched matmul per head with
+no transposing copy. On a 2-core CPU that copy cost as much as the gather itself
+(`minserve.bench.kv_bench`, docs/benchmarks.md). Writing a token is still one
+`flat[:, slot] = kv` and reading a row one `flat[:, slots]` (spelled `index_copy_` /
 `index_select`): plain indexing, which is what a reader should see first. A fused
-CUDA kernel would read blocks in place instead of gathering them; on CPU the
-gather is the clearest equivalent.
+CUDA kernel (vLLM's layout is (block, H, D/x, slot, x)) reads blocks in place
+instead of gathering them; on CPU the gather is the clearest equivalent.
 
 The storage is shared: the paged backend attends over it directly, and the
 padded backend (which keeps its own DynamicCache) uses `store_tokens` /
@@ -63,13 +67,16 @@ class KVBlockStorage:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)  # (N, S, H_kv, D)
+        shape = (num_kv_heads, num_blocks * block_size, head_dim)  # (H_kv, N*S, D) in memory
         # Zeros, not empty: a slot nobody wrote is never read, but if a bug ever reads one
         # it shows up as a wrong number in a parity test, not as NaN garbage.
-        self.key_cache = [torch.zeros(shape, dtype=dtype, device=self.device)
-                          for _ in range(num_layers)]
-        self.value_cache = [torch.zeros(shape, dtype=dtype, device=self.device)
-                            for _ in range(num_layers)]
+        self._k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self._v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        # The token-major views readers index: (N, S, H_kv, D); writing through them
+        # writes the pool.
+        self.key_cache = [self._token_major(t) for t in self._k]
+        self.value_cache = [self._token_major(t) for t in self._v]
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # read(reuse=True)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int) -> KVBlockStorage:
@@ -77,6 +84,11 @@ class KVBlockStorage:
         num_layers, num_kv_heads, head_dim = model_kv_geometry(model)
         p = next(model.parameters())
         return cls(num_blocks, block_size, num_layers, num_kv_heads, head_dim, p.dtype, p.device)
+
+    def _token_major(self, t: torch.Tensor) -> torch.Tensor:
+        """(H_kv, N*S, D) -> a (N, S, H_kv, D) view of the same memory."""
+        return t.view(self.num_kv_heads, self.num_blocks, self.block_size,
+                      self.head_dim).permute(1, 2, 0, 3)
 
     # --- sizes ---------------------------------------------------------------------------
     def bytes_per_token(self) -> int:
@@ -101,32 +113,54 @@ class KVBlockStorage:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size  # (T,)
 
     def flat(self, layer: int) -> KV:
-        """Views of one layer's pool as a flat array of slots: (num_blocks * block_size, H_kv, D)."""
-        k = self.key_cache[layer].view(-1, self.num_kv_heads, self.head_dim)  # (N*S, H_kv, D)
-        v = self.value_cache[layer].view(-1, self.num_kv_heads, self.head_dim)  # (N*S, H_kv, D)
-        return k, v
+        """One layer's pool as it lies in memory, a flat array of slots per KV head:
+        K and V, each (H_kv, num_blocks * block_size, D)."""
+        return self._k[layer], self._v[layer]
 
     # --- one layer -----------------------------------------------------------------------
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Scatter T tokens' K and V, each (T, H_kv, D), into the slots `slot_mapping` (T,)."""
         k_flat, v_flat = self.flat(layer)
-        k_flat.index_copy_(0, slot_mapping, k.to(self.dtype))  # row t of k -> slot slot_mapping[t]
-        v_flat.index_copy_(0, slot_mapping, v.to(self.dtype))
+        # token t of k -> slot slot_mapping[t], in every head's row of the pool
+        k_flat.index_copy_(1, slot_mapping, k.to(self.dtype).transpose(0, 1))  # (H_kv, T, D)
+        v_flat.index_copy_(1, slot_mapping, v.to(self.dtype).transpose(0, 1))
 
-    def read(self, layer: int, slots: torch.Tensor) -> KV:
-        """K and V of the tokens in `slots` (any shape S): each (*S, H_kv, D), copies.
+    def read(self, layer: int, slots: torch.Tensor, reuse: bool = False) -> KV:
+        """K and V of the tokens in `slots` (any shape S): each (H_kv, *S, D), contiguous
+        copies. Slots (B, L) give (H_kv, B, L, D): every row's history, head-major.
 
-        `index_select` rather than `flat[slots]`: the same result, but on CPU advanced
-        indexing with a 2-D index took ~10 ms here where index_select takes microseconds.
+        `reuse=True` writes into this storage's scratch buffers instead of new tensors,
+        so the result is only valid until the next `read(..., reuse=True)`: what the
+        paged attention does, layer after layer. Allocating a fresh (H_kv, B, L, D)
+        tensor twice per layer cost more than the copy itself on CPU (each large
+        allocation is new pages for the kernel to fault in).
+
+        `index_select` per KV head rather than `flat[:, slots]`: the same result, but
+        advanced indexing with a 2-D index took ~10 ms here, and `index_select` over
+        dim 1 twice as long as one `index_select` over dim 0 per head.
         """
         k_flat, v_flat = self.flat(layer)
-        shape = (*slots.shape, self.num_kv_heads, self.head_dim)
-        return (k_flat.index_select(0, slots.reshape(-1)).view(shape),  # (*S, H_kv, D)
-                v_flat.index_select(0, slots.reshape(-1)).view(shape))
+        idx = slots.reshape(-1)
+        n, shape = idx.numel(), (self.num_kv_heads, *slots.shape, self.head_dim)
+        numel = self.num_kv_heads * n * self.head_dim
+        if reuse:  # 1-D buffers, so that the first `numel` elements view as contiguous
+            if self._scratch is None or self._scratch[0].numel() < numel:
+                size = max(numel, 2 * (self._scratch[0].numel() if self._scratch else 0))
+                self._scratch = (k_flat.new_empty(size), k_flat.new_empty(size))
+            k_out, v_out = (buf[:numel].view(self.num_kv_heads, n, self.head_dim)
+                            for buf in self._scratch)
+        else:
+            k_out, v_out = (k_flat.new_empty(self.num_kv_heads, n, self.head_dim)
+                            for _ in range(2))
+        for h in range(self.num_kv_heads):
+            torch.index_select(k_flat[h], 0, idx, out=k_out[h])  # (n, D) rows of head h
+            torch.index_select(v_flat[h], 0, idx, out=v_out[h])
+        return k_out.view(shape), v_out.view(shape)  # (H_kv, *S, D)
 
     def gather(self, layer: int, block_table: list[int], length: int) -> KV:
         """Tokens 0..length-1 of one row, in order: K and V each (length, H_kv, D), copies."""
-        return self.read(layer, self.slot_mapping(block_table, 0, length))  # (length, H_kv, D)
+        k, v = self.read(layer, self.slot_mapping(block_table, 0, length))  # (H_kv, length, D)
+        return k.transpose(0, 1), v.transpose(0, 1)  # (length, H_kv, D)
 
     # --- all layers at once (what the padded backend uses for prefix caching) ---------------
     def store_tokens(self, block_table: list[int], start: int, per_layer_kv: list[KV]) -> None:
@@ -156,9 +190,8 @@ class KVBlockStorage:
         slots = self.slot_mapping(block_table, 0, num_tokens)  # (T,)
         out = []
         for layer in range(self.num_layers):
-            k, v = self.read(layer, slots)  # (T, H_kv, D)
-            out.append((k.transpose(0, 1).unsqueeze(0).contiguous(),  # (1, H_kv, T, D)
-                        v.transpose(0, 1).unsqueeze(0).contiguous()))
+            k, v = self.read(layer, slots)  # (H_kv, T, D): the DynamicCache layout already
+            out.append((k.unsqueeze(0), v.unsqueeze(0)))  # (1, H_kv, T, D)
         return out
 
     def snapshot(self) -> dict[str, Any]:

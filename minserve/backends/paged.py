@@ -55,36 +55,85 @@ CONTEXT_KWARG = "minserve_paged"  # the forward kwarg that carries a PagedForwar
 
 
 @dataclass
+class RowGroup:
+    """Rows of one forward that have the same number T of new tokens: attended together.
+
+    Their tokens are consecutive in the forward's flat token order, row after row,
+    from `offset`: B rows x T tokens.
+    """
+
+    offset: int  # first token of the group in the forward's flat token order
+    B: int
+    T: int
+    read_slots: torch.Tensor  # (B, L) pool slots of each row's tokens 0..L-1 (masked past its end)
+    attn_mask: torch.Tensor  # (B, 1, T, L) bool: may query t of row b see key l?
+
+
+@dataclass
 class PagedForward:
     """What one forward pass tells every attention layer: where to write, what to read.
 
-    B rows, T new tokens each (prefill: B = 1, T = chunk; decode: T = 1), L = the
-    longest row after this forward. Computed once per forward, used by all layers.
+    The forward's new tokens are one flat sequence: a plain batch (B rows of T tokens:
+    a prefill chunk, B = 1; a decode step, T = 1) or, in `mixed_batch` prefill, every
+    decode row's token and every prefilling row's chunk side by side (Version B). Rows
+    with equal T form a `RowGroup` and are attended as one batch; a decode step is one
+    group, a mixed forward one group of decode rows plus one per chunk length.
+    Computed once per forward, used by all layers.
     """
 
     storage: KVBlockStorage
-    write_slots: torch.Tensor  # (B*T,) pool slot of each new token, row-major
-    read_slots: torch.Tensor  # (B, L) pool slots of each row's tokens 0..L-1 (0 past its end)
-    attn_mask: torch.Tensor  # (B, 1, T, L) bool: may query t of row b see key l?
+    write_slots: torch.Tensor  # (N,) pool slot of each new token, in flat token order
+    groups: list[RowGroup]
 
     @classmethod
     def build(cls, storage: KVBlockStorage, block_tables: list[list[int]],
               positions: torch.Tensor) -> PagedForward:
-        """`positions` (B, T): the token index in its row of every new token (contiguous)."""
-        B, T = positions.shape
+        """A plain batch: `positions` (B, T), the token index in its row of every new token."""
         starts = positions[:, 0].tolist()
-        ends = (positions[:, -1] + 1).tolist()  # tokens each row holds after this forward
+        T = positions.shape[1]
+        return cls.build_rows(storage, [(table, s, T) for table, s in zip(block_tables, starts)])
+
+    @classmethod
+    def build_rows(cls, storage: KVBlockStorage,
+                   rows: list[tuple[list[int], int, int]]) -> PagedForward:
+        """`rows`: (block table, first new position, T new tokens) per row, in flat token
+        order; rows with the same T must be consecutive (they form one group)."""
+        write = [storage.slot_mapping(table, s, s + T) for table, s, T in rows]
+        groups, offset, i = [], 0, 0
+        while i < len(rows):
+            j = i
+            while j < len(rows) and rows[j][2] == rows[i][2]:
+                j += 1
+            groups.append(cls._group(storage, rows[i:j], offset))
+            offset += (j - i) * rows[i][2]
+            i = j
+        return cls(storage, torch.cat(write), groups)
+
+    @staticmethod
+    def _group(storage: KVBlockStorage, rows: list[tuple[list[int], int, int]],
+               offset: int) -> RowGroup:
+        B, T = len(rows), rows[0][2]
+        ends = [s + T for _, s, _ in rows]  # tokens each row holds after this forward
         L = max(ends)
-        write = [storage.slot_mapping(table, s, s + T) for table, s in zip(block_tables, starts)]
-        read = torch.zeros(B, L, dtype=torch.long, device=storage.device)  # (B, L)
-        for b, (table, n) in enumerate(zip(block_tables, ends)):
-            read[b, :n] = storage.slot_mapping(table, 0, n)  # the tail stays slot 0: masked below
+        # Every row's slots 0..L-1 in one vectorised lookup over a padded block-table
+        # tensor (B, max_blocks): slot = table[b, l // S] * S + l % S. Past a row's end
+        # its table is padded with block 0, so those slots are real but masked below.
+        S = storage.block_size
+        need = -(-L // S)  # blocks covering L tokens
+        tables = torch.zeros(B, need, dtype=torch.long)  # (B, need)
+        for b, ((table, _, _), n) in enumerate(zip(rows, ends)):
+            if n > len(table) * S:
+                raise ValueError(f"row {b} needs {n} tokens; its table has {len(table)} blocks")
+            k = min(len(table), need)
+            tables[b, :k] = torch.tensor(table[:k], dtype=torch.long)
+        key_pos = torch.arange(L)  # (L,)
+        read = (tables[:, key_pos // S] * S + key_pos % S).to(storage.device)  # (B, L)
         # One comparison does both jobs: key l is visible to a query at position p iff
         # l <= p. That is causality inside a prefill chunk AND it hides the padding of
         # shorter rows in the gathered (B, L) batch (l >= n > p for every query of row b).
-        key_pos = torch.arange(L, device=storage.device)  # (L,)
-        mask = key_pos[None, None, :] <= positions.to(storage.device)[:, :, None]  # (B, T, L)
-        return cls(storage, torch.cat(write), read, mask.unsqueeze(1))  # mask (B, 1, T, L)
+        positions = torch.tensor([[s + t for t in range(T)] for _, s, _ in rows])  # (B, T)
+        mask = key_pos[None, None, :] <= positions[:, :, None]  # (B, T, L)
+        return RowGroup(offset, B, T, read, mask.unsqueeze(1).to(storage.device))
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -109,27 +158,43 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     layer = module.layer_idx
     # 1. Write: this forward's new K/V into their slots. Done first, so the gather
     #    below sees each query's own token (a token attends to itself).
-    new_k = key.transpose(1, 2).reshape(B * T, H_kv, D)  # (B*T, H_kv, D)
-    new_v = value.transpose(1, 2).reshape(B * T, H_kv, D)  # (B*T, H_kv, D)
+    new_k = key.transpose(1, 2).reshape(B * T, H_kv, D)  # (N, H_kv, D), N = B*T flat tokens
+    new_v = value.transpose(1, 2).reshape(B * T, H_kv, D)  # (N, H_kv, D)
     ctx.storage.write(layer, ctx.write_slots, new_k, new_v)
+    scale = D ** -0.5 if scaling is None else scaling
+    flat_q = query.transpose(1, 2).reshape(B * T, H, D)  # (N, H, D) in flat token order
+    g = ctx.groups[0]
+    if len(ctx.groups) == 1 and (g.B, g.T) == (B, T):  # a plain batch: q is (B, H, T, D)
+        return _attend(ctx, layer, ctx.groups[0], query, H_kv, scale), None  # (B, T, H, D)
+    out = torch.empty_like(flat_q)  # (N, H, D)
+    for g in ctx.groups:  # mixed forward: decode rows together, each chunk length apart
+        n = g.B * g.T
+        q = flat_q[g.offset:g.offset + n].view(g.B, g.T, H, D).transpose(1, 2)  # (B_g, H, T_g, D)
+        out[g.offset:g.offset + n] = _attend(ctx, layer, g, q, H_kv, scale).reshape(n, H, D)
+    return out.view(B, T, H, D), None  # (1, N, H, D)
+
+
+def _attend(ctx: PagedForward, layer: int, g: RowGroup, query: torch.Tensor, H_kv: int,
+            scale: float) -> torch.Tensor:
+    """One group's attention over its rows' histories: q (B, H, T, D) -> (B, T, H, D)."""
+    B, H, T, D = query.shape
     # 2. Gather: every row's whole history, padded to L in this temporary only (the
     #    pool has no padding). A fused PagedAttention kernel reads the blocks in place;
-    #    one gather + one batched attention is the readable CPU equivalent, and beats a
-    #    Python loop over rows once there are more than a few.
-    k, v = ctx.storage.read(layer, ctx.read_slots)  # (B, L, H_kv, D) each
-    k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, H_kv, L, D)
-    # 3. GQA: query head h reads KV head h // (H / H_kv), as HF's repeat_kv does.
-    k = k.repeat_interleave(H // H_kv, dim=1)  # (B, H, L, D)
-    v = v.repeat_interleave(H // H_kv, dim=1)  # (B, H, L, D)
-    # 4. Attention, written out (it is what HF's eager path does). Not F.sdpa: on CPU,
-    #    sdpa with an explicit mask took milliseconds on decode-sized inputs here,
-    #    where these three lines take tens of microseconds; the numbers agree to ~1e-7.
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    scores = (query @ k.transpose(-1, -2)) * scale  # (B, H, T, D) @ (B, H, D, L) -> (B, H, T, L)
-    scores = scores.masked_fill(~ctx.attn_mask, float("-inf"))  # mask (B, 1, T, L) broadcasts
-    probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)  # (B, H, T, L)
-    out = probs @ v  # (B, H, T, L) @ (B, H, L, D) -> (B, H, T, D)
-    return out.transpose(1, 2).contiguous(), None  # (B, T, H, D)
+    #    one gather per layer + one batched attention is the readable CPU equivalent.
+    k, v = ctx.storage.read(layer, g.read_slots, reuse=True)  # (H_kv, B, L, D) each
+    # 3. GQA without copying K/V G = H / H_kv times (what HF's repeat_kv does): query
+    #    head h reads KV head h // G, so the G query heads of one KV head, and their T
+    #    tokens, are stacked as G*T rows of one matmul against that head's keys.
+    G = H // H_kv
+    q = query.reshape(B, H_kv, G * T, D).transpose(0, 1)  # (H_kv, B, G*T, D); h = kv*G + g
+    # 4. Attention, written out (it is what HF's eager path does), batched over (H_kv, B).
+    scores = (q @ k.transpose(-1, -2)) * scale  # (H_kv, B, G*T, D) @ (H_kv, B, D, L)
+    scores = scores.view(H_kv, B, G, T, -1).masked_fill(  # mask (B, 1, T, L), per head
+        ~g.attn_mask, float("-inf")).view(H_kv, B, G * T, -1)
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)  # (H_kv, B, G*T, L)
+    out = probs @ v  # (H_kv, B, G*T, L) @ (H_kv, B, L, D) -> (H_kv, B, G*T, D)
+    out = out.view(H_kv, B, G, T, D).permute(1, 3, 0, 2, 4)  # (B, T, H_kv, G, D)
+    return out.reshape(B, T, H, D)  # heads h = kv*G + g
 
 
 def install_paged_attention(model: torch.nn.Module) -> str | None:
@@ -159,6 +224,7 @@ class PagedBackend(Backend):
     """
 
     name = "paged"
+    supports_mixed_batch = True
 
     def __init__(self, model: torch.nn.Module, block_manager: BlockManager,
                  storage: KVBlockStorage | None = None) -> None:
@@ -237,6 +303,66 @@ class PagedBackend(Backend):
         for r, [p] in zip(reqs, positions):
             self.rows[r.request_id] = p + 1
         return logits
+
+    def forward_mixed(self, decode: list[Request], tokens: list[int],
+                      chunks: list[tuple[Request, int, int]]) -> tuple[torch.Tensor, list]:
+        """Version B (`mixed_batch`): ONE forward for every decode row's next token and
+        every prefilling row's next chunk, flattened into one sequence of N tokens:
+
+            flat tokens   [ a  b  c | p0 p1 ... p6 | q0 ... q31 ]
+                           decode     chunk of p     chunk of q
+            positions     [ 41 17 9 | 0  1  ... 6  | 96 ... 127 ]
+
+        Each token attends only over its own row's blocks, causally (`RowGroup`s of
+        equal length are attended together). Logits come out only where a token is
+        sampled: each decode row, and the last token of a prompt's final chunk.
+
+        Returns (decode logits (len(decode), V), per chunk its (V,) logits if it was
+        its prompt's final chunk, else None), in the order given.
+        """
+        if len(decode) != len(tokens) or len({r.request_id for r in decode}) != len(decode):
+            raise ValueError("decode needs one token per row and each row once")
+        rows, ids, positions, keep = [], [], [], []
+        for r, tok in zip(decode, tokens):  # one group: T = 1
+            pos = r.num_tokens - 1
+            if self.rows.get(r.request_id) != pos:
+                raise ValueError(f"row {r.request_id!r} holds {self.rows.get(r.request_id)} "
+                                 f"tokens; its next token must be at position {pos}")
+            rows.append((self.block_manager.block_table(r.request_id), pos, 1))
+            ids.append(tok)
+            positions.append(pos)
+            keep.append(len(ids) - 1)
+        order = sorted(range(len(chunks)), key=lambda i: chunks[i][2] - chunks[i][1])
+        final_at: dict[int, int] = {}  # chunk index -> its row in the kept logits
+        for i in order:  # equal chunk lengths side by side: one group each
+            req, start, end = chunks[i]
+            held = self._staged(req)
+            if start != held or not start < end <= req.prompt_len:
+                raise ValueError(f"row {req.request_id!r} holds {held} tokens; cannot prefill "
+                                 f"{start}..{end} of a {req.prompt_len}-token prompt")
+            rows.append((self.block_manager.block_table(req.request_id), start, end - start))
+            ids.extend(req.prompt_token_ids[start:end])
+            positions.extend(range(start, end))
+            if end == req.prompt_len:
+                final_at[i] = len(keep)
+                keep.append(len(ids) - 1)
+        if not rows:
+            return torch.zeros(0, self.vocab_size), []
+        ctx = PagedForward.build_rows(self.storage, rows)
+        with torch.inference_mode():
+            if self.model.config._attn_implementation != PAGED_ATTN_IMPL:
+                install_paged_attention(self.model)
+            out = self.model(input_ids=torch.tensor([ids], device=self.device),  # (1, N)
+                             position_ids=torch.tensor([positions], device=self.device),
+                             use_cache=False, logits_to_keep=torch.tensor(keep or [len(ids) - 1]),
+                             **{CONTEXT_KWARG: ctx})
+        logits = out.logits[0].float()  # (len(keep), V)
+        for r in decode:
+            self.rows[r.request_id] += 1
+        for req, _, end in chunks:
+            self.staging[req.request_id] = end
+        return logits[:len(decode)], [logits[final_at[i]] if i in final_at else None
+                                      for i in range(len(chunks))]
 
     def remove_row(self, req: Request) -> None:
         """Forget the row. Its blocks are the block manager's to free (the scheduler does)."""

@@ -34,8 +34,10 @@ from ..sampling import SamplingParams
 # a per-session row cap, so one heavy user (the flood) leaves 2 of the 8 batch rows to
 # everybody else: a light user's message gets a row at the next tick instead of
 # waiting for a flood reply to finish (docs/demo.md measures both).
+# Chunked prefill as in `minserve serve` (SERVING_DEFAULTS): a long pasted prompt costs
+# the other users one chunk per tick, not its whole prefill.
 APP_DEFAULTS = {"policy": "fair", "max_queue_size": 64, "num_blocks": 256,
-                "max_rows_per_session": 6}
+                "max_rows_per_session": 6, "prefill_chunk_size": 256}
 FLOOD_DEFAULTS = {"total": 48, "in_flight": 24, "max_tokens": 128, "duration_s": 120.0}
 NOISY_SESSION = "noisy-neighbour"
 NOTICE = "⚠️ "  # starts every message the app (not the model) writes into the chat

@@ -8,8 +8,8 @@ servable at once and the names can never drift from the SPEC's (A2): field
 `max_queue_size` -> flag `--max-queue-size` -> variable `MINSERVE_MAX_QUEUE_SIZE` (every
 variable carries the project's prefix: bare `MODEL`, `DEVICE` or `SEED` belong to
 other tools too).
-Precedence: flag > environment > EngineConfig's default. An empty variable
-counts as unset. Bad values fail before the model loads, with EngineConfig's
+Precedence: flag > environment > the server's own defaults (`SERVING_DEFAULTS`)
+> EngineConfig's default. An empty variable counts as unset. Bad values fail before the model loads, with EngineConfig's
 message saying what to change.
 
 Server-only settings carry a `MINSERVE_` prefix (`MINSERVE_HOST`,
@@ -34,6 +34,12 @@ from typing import Any
 from ..config import BACKENDS, DTYPES, POLICIES, EngineConfig, PrefillMode
 from .limits import ServerLimits
 
+# What a server shared by several users needs over EngineConfig's defaults (which suit a
+# notebook that steps one tick at a time): chunked prefill, so one long prompt cannot
+# stall everybody else's stream for its whole prefill (C1). `minserve.bench.long_prompt`
+# measures the stall both ways (docs/benchmarks.md); `--prefill-chunk-size 0` restores
+# monolithic prefill. The chat demo (app.py) starts from these too.
+SERVING_DEFAULTS: dict[str, Any] = {"prefill_chunk_size": 256}
 CHOICES = {"policy": POLICIES, "backend": BACKENDS, "dtype": DTYPES,
            "prefill_mode": tuple(m.value for m in PrefillMode)}
 SERVER_ENV = {"host": "MINSERVE_HOST", "port": "MINSERVE_PORT", "api_key": "MINSERVE_API_KEY"}
@@ -75,7 +81,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(ServerLimits):
         lim.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None,
                          help=f"default {f.default!r}")
-    add_engine_arguments(p)
+    add_engine_arguments(p, SERVING_DEFAULTS)
 
 
 def env_name(knob: str) -> str:
@@ -136,14 +142,17 @@ def port_problem(host: str, port: int, flag: str, env: str) -> str | None:
     return None
 
 
-def engine_config_from_args(args: argparse.Namespace,
-                            env: dict[str, str] | None = None) -> EngineConfig:
-    """Flags over environment over defaults -> a validated EngineConfig (ValueError if bad)."""
+def engine_config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None,
+                            defaults: dict[str, Any] | None = None) -> EngineConfig:
+    """Flags over environment over a front end's `defaults` over EngineConfig's ->
+    a validated EngineConfig (ValueError if bad)."""
     env = dict(os.environ if env is None else env)
     values = {}
     for name, kind, _ in engine_knobs():
         flag = getattr(args, name, None)
         value = flag if flag is not None else _from_env(name, kind, env)
+        if value is None:
+            value = (defaults or {}).get(name)
         if value is not None:
             values[name] = value
     return EngineConfig(**values)
@@ -166,7 +175,7 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
 def serve(args: argparse.Namespace) -> int:
     """The `serve` subcommand: build the engine, then run uvicorn until Ctrl-C / SIGTERM."""
     try:
-        config = engine_config_from_args(args)
+        config = engine_config_from_args(args, defaults=SERVING_DEFAULTS)
         settings = server_settings(args)
         limits = limits_from_args(args)
     except ValueError as e:
