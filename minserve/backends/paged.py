@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..kv_cache import BlockManager
 from ..request import Request
@@ -182,12 +183,20 @@ def _attend(ctx: PagedForward, layer: int, g: RowGroup, query: torch.Tensor, H_k
     #    pool has no padding). A fused PagedAttention kernel reads the blocks in place;
     #    one gather per layer + one batched attention is the readable CPU equivalent.
     k, v = ctx.storage.read(layer, g.read_slots, reuse=True)  # (H_kv, B, L, D) each
+    if T > 1:  # prompt chunks: PyTorch's fused CPU attention, which never materialises
+        # the (T, L) scores per head (a 256-token chunk over 6,000 tokens of history is
+        # 4.6 M floats per head); it takes the mask and the GQA grouping as they are.
+        out = F.scaled_dot_product_attention(
+            query, k.transpose(0, 1), v.transpose(0, 1), attn_mask=g.attn_mask,
+            scale=scale, enable_gqa=H != H_kv)  # (B, H, T, D)
+        return out.transpose(1, 2)  # (B, T, H, D)
     # 3. GQA without copying K/V G = H / H_kv times (what HF's repeat_kv does): query
     #    head h reads KV head h // G, so the G query heads of one KV head, and their T
     #    tokens, are stacked as G*T rows of one matmul against that head's keys.
     G = H // H_kv
     q = query.reshape(B, H_kv, G * T, D).transpose(0, 1)  # (H_kv, B, G*T, D); h = kv*G + g
-    # 4. Attention, written out (it is what HF's eager path does), batched over (H_kv, B).
+    # 4. Decode (T = 1): attention written out (it is what HF's eager path does), batched
+    #    over (H_kv, B). Here it beat F.sdpa, whose CPU kernel is tuned for long queries.
     scores = (q @ k.transpose(-1, -2)) * scale  # (H_kv, B, G*T, D) @ (H_kv, B, D, L)
     scores = scores.view(H_kv, B, G, T, -1).masked_fill(  # mask (B, 1, T, L), per head
         ~g.attn_mask, float("-inf")).view(H_kv, B, G * T, -1)

@@ -23,13 +23,17 @@ from .docs_report import machine_line, update_section
 STREAM = [{"role": "user", "content": "Count slowly from one to fifty, one number per line."}]
 
 
-def stall(model, tokenizer, prefill_chunk_size: int, prompt_tokens: int) -> dict:
-    """Step the engine by hand (no worker thread), timing every token of the stream."""
+def stall(model, tokenizer, prefill_chunk_size: int, prompt_tokens: int,
+          mixed: bool = False) -> dict:
+    """Step the engine by hand (no worker thread), timing every token of the stream.
+    `mixed`: Version B (`mixed_batch` on the paged backend), else Version A / monolithic
+    on the padded backend."""
     from .. import Engine, EngineConfig, SamplingParams
 
+    extra = {"backend": "paged", "prefill_mode": "mixed_batch"} if mixed else {}
     engine = Engine(EngineConfig(device="cpu", max_batch_size=8, max_model_len=8192,
                                  prefill_chunk_size=prefill_chunk_size,
-                                 enable_prefix_caching=False),
+                                 enable_prefix_caching=False, **extra),
                     model=model, tokenizer=tokenizer)
     doc_ids = [(37 * k) % 4000 + 100 for k in range(prompt_tokens)]  # no chat template
     stream = engine.submit(STREAM, SamplingParams(max_tokens=48, ignore_eos=True))
@@ -47,7 +51,7 @@ def stall(model, tokenizer, prefill_chunk_size: int, prompt_tokens: int) -> dict
         if long is not None and long_ttft is None and long.events:
             long_ttft = now - long_t0
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    return {"chunk": prefill_chunk_size, "max_gap_s": max(gaps),
+    return {"chunk": prefill_chunk_size, "mixed": mixed, "max_gap_s": max(gaps),
             "stream_s": stamps[-1] - stamps[0], "long_ttft_s": long_ttft}
 
 
@@ -56,7 +60,9 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--prompt-tokens", type=int, default=6000, help="the long prompt's length")
     p.add_argument("--chunks", type=int, nargs="+", default=[0, 512, 256, 128],
-                   help="prefill_chunk_size values to compare (0: monolithic)")
+                   help="prefill_chunk_size values to compare (0: monolithic), padded backend")
+    p.add_argument("--mixed-chunks", type=int, nargs="*", default=[256],
+                   help="chunk sizes to run as mixed_batch (Version B) on the paged backend")
     p.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md")
     args = p.parse_args(argv)
     import torch
@@ -66,10 +72,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     model, tokenizer = load_model(None, "float32", "cpu")
     runs = [stall(model, tokenizer, c, args.prompt_tokens) for c in args.chunks]
+    runs += [stall(model, tokenizer, c, args.prompt_tokens, mixed=True) for c in args.mixed_chunks]
     rows = ["| prefill | stream's worst gap | stream's 48 tokens took | long prompt's first token |",
             "|---|---|---|---|"]
     for r in runs:
-        name = "monolithic" if r["chunk"] == 0 else f"chunked, {r['chunk']} tokens"
+        name = ("monolithic" if r["chunk"] == 0 else
+                f"mixed_batch (paged), {r['chunk']} tokens" if r["mixed"] else
+                f"chunked, {r['chunk']} tokens")
         rows.append(f"| {name} | **{r['max_gap_s']:.2f} s** | {r['stream_s']:.1f} s | "
                     f"{r['long_ttft_s']:.1f} s |")
     md = "\n".join([
