@@ -40,6 +40,8 @@ from minserve.inspection.trace import Trace, engine_config
 from minserve.inspection.viz.queues import COLUMNS
 from minserve.server.cli import (
     add_engine_arguments,
+    add_threads_argument,
+    apply_threads,
     engine_config_from_args,
     port_problem,
 )
@@ -337,6 +339,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="bind address (env MINSERVE_APP_HOST; default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=None,
                    help="TCP port (env MINSERVE_APP_PORT; default 7860)")
+    add_threads_argument(p)
     add_engine_arguments(p, APP_DEFAULTS)
     return p.parse_args(argv)
 
@@ -355,6 +358,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         config, host, port = config_from_args(args)
+        apply_threads(args)
     except ValueError as e:
         print(f"app.py: error: {e}", file=sys.stderr)
         return 2

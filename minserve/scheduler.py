@@ -250,9 +250,11 @@ class Scheduler:
     def advance_prefill_chunk(self) -> PrefillRecord:
         """T2: push prompt tokens of `prefilling` rows through the model.
 
-        monolithic: every prefilling row's whole remaining prompt, one forward each.
+        monolithic: every prefilling row's whole remaining prompt, one forward each
+        (on the paged backend, one forward for all of them together).
         chunked (Version A, SPEC C1): *every* prefilling row pushes its next
-        `prefill_chunk_size` prompt tokens, one forward per row piece. So a giant
+        `prefill_chunk_size` prompt tokens, one forward per row piece (paged: one
+        forward for all the pieces, beside the decode forward). So a giant
         prompt never freezes the decode batch for more than one chunk, and never
         holds back a short prompt admitted after it: each row's prefill takes
         ceil(remaining / chunk) ticks whoever else is prefilling. A tick's prompt
@@ -275,6 +277,7 @@ class Scheduler:
             chunk_size = None
         with self.lock:
             self._planned, self._planned_record = [], rec
+            pieces = []
             for req in list(self.prefilling):
                 if req.cancel_requested:
                     continue  # T3 evicts it
@@ -288,6 +291,11 @@ class Scheduler:
                     self._planned.append((req, chunk))
                     rec.chunks.append(chunk)
                     continue
+                pieces.append((req, start, end))
+            if len(pieces) > 1 and self.backend.supports_mixed_batch:
+                self._prefill_together(pieces, rec)  # one forward for all the pieces
+                pieces = []
+            for req, start, end in pieces:  # one forward per piece
                 try:
                     chunk = self._prefill_piece(req, start, end)
                 except Exception as e:  # this row's piece failed: it fails alone
@@ -298,6 +306,29 @@ class Scheduler:
                     rec.promoted.append(req.request_id)
                 rec.chunks.append(chunk)
         return rec
+
+    def _prefill_together(self, pieces: list[tuple[Request, int, int]],
+                          rec: PrefillRecord) -> None:
+        """Several rows' pieces in ONE forward (backends that can flatten rows of
+        different lengths: paged). If it raises, each of its rows fails, as in decode."""
+        try:
+            _, logits = self.backend.forward_mixed([], [], pieces)
+            self.forwards.append(sum(end - start for _, start, end in pieces))
+        except Exception as e:
+            for req, _, _ in pieces:
+                self._fail_row(req, "prefill", e)
+                rec.failed.append({"request_id": req.request_id, "error": req.error})
+            return
+        for (req, start, end), row_logits in zip(pieces, logits):
+            try:
+                chunk = self._piece_done(req, start, end, row_logits)
+            except Exception as e:
+                self._fail_row(req, "prefill", e)
+                rec.failed.append({"request_id": req.request_id, "error": req.error})
+                continue
+            if chunk["final"]:
+                rec.promoted.append(req.request_id)
+            rec.chunks.append(chunk)
 
     def _prefill_piece(self, req: Request, start: int, end: int) -> dict[str, Any]:
         """prompt[start:end] through the model; on the final piece, the first token and

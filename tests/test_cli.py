@@ -101,3 +101,24 @@ def test_serving_front_ends_default_to_chunked_prefill_and_a_flag_or_variable_tu
     assert demo.prefill_mode == "chunked"
     assert APP_DEFAULTS["prefill_chunk_size"] == SERVING_DEFAULTS["prefill_chunk_size"]
     assert EngineConfig().prefill_mode == "monolithic"
+
+
+def test_threads_come_from_the_flag_or_minserve_threads_and_bad_values_say_so():
+    import argparse
+
+    import torch
+
+    from minserve.server.cli import add_threads_argument, apply_threads
+
+    p = argparse.ArgumentParser()
+    add_threads_argument(p)
+    before = torch.get_num_threads()
+    try:
+        assert apply_threads(p.parse_args([]), {}) is None and torch.get_num_threads() == before
+        assert apply_threads(p.parse_args([]), {"MINSERVE_THREADS": "1"}) == 1
+        assert torch.get_num_threads() == 1
+        assert apply_threads(p.parse_args(["--threads", "2"]), {"MINSERVE_THREADS": "1"}) == 2
+        with pytest.raises(ValueError, match="MINSERVE_THREADS"):
+            apply_threads(p.parse_args([]), {"MINSERVE_THREADS": "many"})
+    finally:
+        torch.set_num_threads(before)

@@ -206,6 +206,24 @@ def test_work_bars_add_up_to_the_tokens_each_tick_computed(traces):
                       for r in trace.ticks]
 
 
+@pytest.mark.parametrize("mode", ["chunked", "mixed_batch"])
+def test_work_figure_counts_the_forward_passes_of_each_tick(tiny_model, mode):
+    """Version A: a forward per chunk plus the decode one; Version B: one per tick."""
+    from minserve.inspection.trace import TraceRecorder
+
+    engine = make_engine(tiny_model, backend="paged", prefill_mode=mode, prefill_chunk_size=4,
+                         max_batch_size=3)
+    rec = TraceRecorder(engine)
+    for n in (9, 3, 14):
+        rec.submit([k % 200 + 1 for k in range(n)], SamplingParams(max_tokens=5))
+    rec.run()
+    trace = rec.trace()
+    counts = next(t for t in viz.work(trace).data if t.type == "scatter" and "forwards" in t.name)
+    assert list(counts.text) == [str(len(r.forwards)) if r.forwards else "" for r in trace.ticks]
+    most = max(len(r.forwards) for r in trace.ticks)
+    assert most == 1 if mode == "mixed_batch" else most > 1
+
+
 def test_every_figure_accepts_a_record_a_dict_or_a_trace(traces):
     trace = traces["padded"]
     rec = trace[2]

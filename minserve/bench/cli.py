@@ -79,6 +79,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="minserve policy")
     t.add_argument("--prefill-chunk-size", type=int, default=0,
                    help="0: monolithic prefill")
+    t.add_argument("--prefill-mode", default="", choices=["", "monolithic", "chunked", "mixed_batch"],
+                   help="'' derives it from --prefill-chunk-size; mixed_batch needs --backend paged")
     t.add_argument("--max-queue-size", type=int, default=256, help="gate G1")
     t.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="turn minserve's prefix cache off")

@@ -84,7 +84,7 @@ def decode_ticks(model, tok, batch: int, new_tokens: int) -> tuple[float, float,
         engine = _engine(model, tok, max_batch_size=batch, backend=backend,
                          enable_prefix_caching=False, num_blocks=batch * 40)
         for p in prompts:
-            engine.submit(p, SamplingParams(max_tokens=new_tokens + 2, ignore_eos=True))
+            engine.submit(p, SamplingParams(max_tokens=new_tokens + 8, ignore_eos=True))
         while len(engine.scheduler.active) < batch:  # admit + prefill everything
             engine.step()
         engine.step()  # one decode-only tick to warm up

@@ -36,6 +36,7 @@ def make_engine(args, model, tokenizer):
     cfg = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                        max_batch_size=args.max_batch_size, backend=args.backend,
                        policy=args.policy, prefill_chunk_size=args.prefill_chunk_size,
+                       prefill_mode=getattr(args, "prefill_mode", ""),
                        max_queue_size=args.max_queue_size,
                        enable_prefix_caching=args.prefix_caching)
     return Engine(cfg, model=model, tokenizer=tokenizer)

@@ -56,8 +56,34 @@ def engine_knobs() -> list[tuple[str, type, Any]]:
     return knobs
 
 
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (env MINSERVE_THREADS; default: torch's, one "
+                        "per core). On a machine other programs keep busy, 1 is often much "
+                        "faster: see docs/benchmarks.md, 'On a busy machine'")
+
+
+def apply_threads(args: argparse.Namespace, env: dict[str, str] | None = None) -> int | None:
+    """Set torch's intra-op threads from --threads / MINSERVE_THREADS; returns what it set."""
+    env = dict(os.environ if env is None else env)
+    n = args.threads if getattr(args, "threads", None) is not None else env.get("MINSERVE_THREADS")
+    if n in (None, ""):
+        return None
+    try:
+        n = int(n)
+        if n < 1:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"threads={n!r}; use an int >= 1 (MINSERVE_THREADS, --threads)") from None
+    import torch
+
+    torch.set_num_threads(n)
+    return n
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     srv = p.add_argument_group("server")
+    add_threads_argument(srv)
     srv.add_argument("--host", default=None,
                      help="bind address (env MINSERVE_HOST; default 127.0.0.1, loopback only)")
     srv.add_argument("--port", type=int, default=None,
@@ -178,6 +204,7 @@ def serve(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args, defaults=SERVING_DEFAULTS)
         settings = server_settings(args)
         limits = limits_from_args(args)
+        apply_threads(args)
     except ValueError as e:
         print(f"minserve serve: error: {e}", file=sys.stderr)
         return 2

@@ -136,7 +136,9 @@ def fairness(trace: tr.Trace, title: str | None = None) -> go.Figure:
 
 def work(trace: tr.Trace, title: str | None = None, durations: bool = False) -> go.Figure:
     """Tokens pushed through the model per tick: prompt tokens (prefill chunks, one colour
-    per request) stacked on decode tokens (one per active row). With `durations`, the
+    per request) stacked on decode tokens (one per active row), and above each bar the
+    number of forward passes that carried them (`TickRecord.forwards`: Version A runs
+    one per chunk plus the decode one, Version B one in all). With `durations`, the
     tick's wall time too (ms, right axis; a measurement, so it differs run to run).
 
     Chunked prefill (SPEC C1) caps the prompt part of every tick at
@@ -154,6 +156,15 @@ def work(trace: tr.Trace, title: str | None = None, durations: bool = False) -> 
     for k, (rid, ys) in enumerate(per_req.items()):
         fig.add_trace(go.Bar(x=ticks, y=ys, name=f"prefill {rid}",
                              marker={"color": shades[k % len(shades)]}))
+    if any(rec.forwards for rec in trace.ticks):  # how many forward passes carried them
+        totals = [len(rec.decode.rows) + sum(c["end"] - c["start"] for c in rec.prefill.chunks)
+                  for rec in trace.ticks]
+        fig.add_trace(go.Scatter(
+            x=ticks, y=totals, mode="text", name="forwards this tick (count above the bar)",
+            text=[str(len(rec.forwards)) if rec.forwards else "" for rec in trace.ticks],
+            textposition="top center", textfont={"size": 10, "color": style.DONE},
+            customdata=[", ".join(map(str, rec.forwards)) for rec in trace.ticks],
+            hovertemplate="tick %{x}: %{text} forward(s) of %{customdata} tokens<extra></extra>"))
     if durations:
         fig.add_trace(go.Scatter(x=ticks, y=[1000 * rec.duration_s for rec in trace.ticks],
                                  name="tick wall time (ms)", mode="lines+markers",
