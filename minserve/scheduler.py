@@ -296,16 +296,21 @@ class Scheduler:
                 self._prefill_together(pieces, rec)  # one forward for all the pieces
                 pieces = []
             for req, start, end in pieces:  # one forward per piece
-                try:
-                    chunk = self._prefill_piece(req, start, end)
-                except Exception as e:  # this row's piece failed: it fails alone
-                    self._fail_row(req, "prefill", e)
-                    rec.failed.append({"request_id": req.request_id, "error": req.error})
-                    continue
-                if chunk["final"]:
-                    rec.promoted.append(req.request_id)
-                rec.chunks.append(chunk)
+                self._record_piece(rec, req, self._prefill_piece, start, end)
         return rec
+
+    def _record_piece(self, rec: PrefillRecord, req: Request, run, *args) -> None:
+        """`run(req, *args)` pushes one row's piece (and returns its chunk record): record
+        it, and the promotion if it was the final piece. If it raises, the row fails alone."""
+        try:
+            chunk = run(req, *args)
+        except Exception as e:
+            self._fail_row(req, "prefill", e)
+            rec.failed.append({"request_id": req.request_id, "error": req.error})
+            return
+        if chunk["final"]:
+            rec.promoted.append(req.request_id)
+        rec.chunks.append(chunk)
 
     def _prefill_together(self, pieces: list[tuple[Request, int, int]],
                           rec: PrefillRecord) -> None:
@@ -320,15 +325,7 @@ class Scheduler:
                 rec.failed.append({"request_id": req.request_id, "error": req.error})
             return
         for (req, start, end), row_logits in zip(pieces, logits):
-            try:
-                chunk = self._piece_done(req, start, end, row_logits)
-            except Exception as e:
-                self._fail_row(req, "prefill", e)
-                rec.failed.append({"request_id": req.request_id, "error": req.error})
-                continue
-            if chunk["final"]:
-                rec.promoted.append(req.request_id)
-            rec.chunks.append(chunk)
+            self._record_piece(rec, req, self._piece_done, start, end, row_logits)
 
     def _prefill_piece(self, req: Request, start: int, end: int) -> dict[str, Any]:
         """prompt[start:end] through the model; on the final piece, the first token and

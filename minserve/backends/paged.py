@@ -358,14 +358,9 @@ class PagedBackend(Backend):
         if not rows:
             return torch.zeros(0, self.vocab_size), []
         ctx = PagedForward.build_rows(self.storage, rows)
-        with torch.inference_mode():
-            if self.model.config._attn_implementation != PAGED_ATTN_IMPL:
-                install_paged_attention(self.model)
-            out = self.model(input_ids=torch.tensor([ids], device=self.device),  # (1, N)
-                             position_ids=torch.tensor([positions], device=self.device),
-                             use_cache=False, logits_to_keep=torch.tensor(keep or [len(ids) - 1]),
-                             **{CONTEXT_KWARG: ctx})
-        logits = out.logits[0].float()  # (len(keep), V)
+        logits = self._run(torch.tensor([ids], device=self.device),  # (1, N)
+                           torch.tensor([positions], device=self.device), ctx,
+                           torch.tensor(keep or [len(ids) - 1]))[0]  # (len(keep), V)
         for r in decode:
             self.rows[r.request_id] += 1
         for req, _, end in chunks:
@@ -378,16 +373,22 @@ class PagedBackend(Backend):
         self.staging.pop(req.request_id, None)
         self.rows.pop(req.request_id, None)
 
-    @torch.inference_mode()
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor,
                  tables: list[list[int]]) -> torch.Tensor:
         """One forward of the HF model over ids (B, T); last position's logits (B, V) float32."""
+        ctx = PagedForward.build(self.storage, tables, positions)
+        return self._run(ids, positions, ctx, 1)[:, -1]  # (B, 1, V) -> (B, V)
+
+    @torch.inference_mode()
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, ctx: PagedForward,
+             logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        """The model over ids (B, T) with this backend's attention context; float32 logits
+        at the positions `logits_to_keep` names (HF's meaning: the last k, or indices)."""
         if self.model.config._attn_implementation != PAGED_ATTN_IMPL:
             install_paged_attention(self.model)  # someone switched it away: switch back
-        ctx = PagedForward.build(self.storage, tables, positions)
         out = self.model(input_ids=ids, position_ids=positions, use_cache=False,
-                         logits_to_keep=1, **{CONTEXT_KWARG: ctx})
-        return out.logits[:, -1].float()  # (B, 1, V) -> (B, V)
+                         logits_to_keep=logits_to_keep, **{CONTEXT_KWARG: ctx})
+        return out.logits.float()
 
     # --- metrics, figures, invariants --------------------------------------------------
     @property

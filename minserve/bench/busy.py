@@ -24,7 +24,7 @@ import multiprocessing as mp
 import os
 import time
 
-from .docs_report import machine_line, update_section
+from .docs_report import machine_line, publish
 
 
 def _hog(stop) -> None:  # a CPU-bound neighbour
@@ -95,9 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         "(padded, monolithic, step mode) and HF `generate` in two static batches, with "
         "CPU-bound busy-loop processes beside them. `python -m minserve.bench.busy` "
         "(one run each):", "", *rows, "", machine_line()])
-    print(md)
-    if not args.no_docs:
-        print("updated", update_section("busy-machine", md))
+    publish("busy-machine", md, write=not args.no_docs)
 
 
 if __name__ == "__main__":

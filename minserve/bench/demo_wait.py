@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from .docs_report import machine_line, update_section
+from .docs_report import DOC, machine_line, publish
 
 PROMPT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
@@ -74,12 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         "replies up to 128 tokens), batch 8, the embedded SmolLM2 on this machine's CPU; "
         "`python -m minserve.bench.demo_wait` (one run each):", "", *rows, "",
         machine_line()])
-    print(md)
-    if not args.no_docs:
-        from pathlib import Path
-
-        doc = Path(__file__).resolve().parents[2] / "docs" / "demo.md"
-        print("updated", update_section("light-user-wait", md, doc))
+    publish("light-user-wait", md, write=not args.no_docs, doc=DOC.parent / "demo.md")
 
 
 if __name__ == "__main__":

@@ -41,3 +41,10 @@ def update_section(name: str, markdown: str, doc: Path = DOC) -> Path:
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
     doc.write_text(text)
     return doc
+
+
+def publish(name: str, markdown: str, write: bool, doc: Path = DOC) -> None:
+    """Print a benchmark's section; with `write`, also put it into `doc` under `name`."""
+    print(markdown)
+    if write:
+        print("updated", update_section(name, markdown, doc))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from .docs_report import machine_line, update_section
+from .docs_report import machine_line, publish
 
 STREAM = [{"role": "user", "content": "Count slowly from one to fifty, one number per line."}]
 
@@ -90,9 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         "is timed from its arrival. "
         f"`python -m minserve.bench.long_prompt --prompt-tokens {args.prompt_tokens}` "
         "(one run each):", "", *rows, "", machine_line()])
-    print(md)
-    if not args.no_docs:
-        print("updated", update_section("long-prompt-stall", md))
+    publish("long-prompt-stall", md, write=not args.no_docs)
 
 
 if __name__ == "__main__":
