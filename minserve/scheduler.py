@@ -250,11 +250,12 @@ class Scheduler:
     def advance_prefill_chunk(self) -> PrefillRecord:
         """T2: push prompt tokens of `prefilling` rows through the model.
 
-        monolithic: every prefilling row's whole remaining prompt, one forward each
-        (on the paged backend, one forward for all of them together).
+        monolithic: every prefilling row's whole remaining prompt.
         chunked (Version A, SPEC C1): *every* prefilling row pushes its next
-        `prefill_chunk_size` prompt tokens, one forward per row piece (paged: one
-        forward for all the pieces, beside the decode forward). So a giant
+        `prefill_chunk_size` prompt tokens.
+        Both: all the tick's pieces go through ONE forward (`prefill_together`; the
+        paged backend flattens them, the padded one left-pads them side by side),
+        beside the decode forward. So a giant
         prompt never freezes the decode batch for more than one chunk, and never
         holds back a short prompt admitted after it: each row's prefill takes
         ceil(remaining / chunk) ticks whoever else is prefilling. A tick's prompt
@@ -292,7 +293,7 @@ class Scheduler:
                     rec.chunks.append(chunk)
                     continue
                 pieces.append((req, start, end))
-            if len(pieces) > 1 and self.backend.supports_mixed_batch:
+            if len(pieces) > 1 and self.backend.supports_batched_prefill:
                 self._prefill_together(pieces, rec)  # one forward for all the pieces
                 pieces = []
             for req, start, end in pieces:  # one forward per piece
@@ -314,10 +315,10 @@ class Scheduler:
 
     def _prefill_together(self, pieces: list[tuple[Request, int, int]],
                           rec: PrefillRecord) -> None:
-        """Several rows' pieces in ONE forward (backends that can flatten rows of
-        different lengths: paged). If it raises, each of its rows fails, as in decode."""
+        """Several rows' pieces in ONE forward (paged: flattened; padded: left-padded
+        side by side). If it raises, each of its rows fails, as in decode."""
         try:
-            _, logits = self.backend.forward_mixed([], [], pieces)
+            logits = self.backend.prefill_together(pieces)
             self.forwards.append(sum(end - start for _, start, end in pieces))
         except Exception as e:
             for req, _, _ in pieces:

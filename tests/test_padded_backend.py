@@ -12,6 +12,7 @@ situation, check it really arose, and check the outputs against HF `generate`.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from minserve import SamplingParams
 
@@ -62,3 +63,66 @@ def test_kv_length_is_the_longest_row_and_mask_width_can_exceed_it(tiny_model):
     # 3 prompt tokens + its first token (fed to this decode step): 4 real columns.
     assert backend.width == 13 and backend.kv_length == 4
     assert backend.snapshot()["padding_tokens"] == 13 - 4
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True], ids=["no-cache", "prefix-cache"])
+@pytest.mark.parametrize("mode, chunk", [("monolithic", 0), ("chunked", 5)])
+def test_a_ticks_prefills_go_through_one_forward_left_padded(tiny_model, prefix_cache, mode,
+                                                            chunk):
+    """Rows admitted together are prefilled in ONE forward (their pieces left-padded
+    side by side, over their own left-padded past KV), token-exact against HF. With the
+    prefix cache, rows start from different cached lengths: the past columns differ
+    per row too."""
+    shared = [7, 3, 9, 11, 2, 5, 8, 1, 4, 6, 12, 13]  # 12 tokens: 3 full blocks of 4
+    prompts = [shared + [20, 21, 22], [30, 31, 32], shared + list(range(40, 57)), [50] * 9]
+    engine = make_engine(tiny_model, backend="padded", prefill_mode=mode,
+                         prefill_chunk_size=chunk, max_batch_size=4,
+                         enable_prefix_caching=prefix_cache, block_size=4)
+    if prefix_cache:  # warm the cache with the shared prefix, so two rows start at 12
+        engine.generate([shared + [99]], SamplingParams(max_tokens=1))
+    engine.trace = []
+    outs = engine.generate(prompts, SamplingParams(max_tokens=5))
+    assert [o.token_ids for o in outs] == [hf_greedy(tiny_model, p, 5) for p in prompts]
+    if prefix_cache:
+        assert sum(o.num_cached_tokens for o in outs) == 24  # the two shared-prefix rows
+    busy = [r for r in engine.trace if len(r.prefill.chunks) > 1]
+    assert busy, "no tick prefilled several rows"
+    for r in busy:  # one forward for the prefill pieces, plus the decode forward if any
+        assert len(r.forwards) == 1 + (1 if r.decode.rows else 0), r.forwards
+
+
+def test_prefill_together_gives_each_row_the_logits_and_kv_it_gets_alone(tiny_model):
+    """Backend level, logits not tokens (the tiny model's greedy tokens barely depend on
+    positions): rows of 19, 3 and 11 tokens, pushed as two rounds of pieces (so the
+    second round has past KV of different lengths), match each row prefilled alone,
+    logits and KV, to float32 rounding."""
+    from minserve.backends.padded import PaddedBackend
+    from minserve.request import Request
+
+    prompts = [list(range(1, 20)), [5, 6, 7], list(range(30, 41))]
+
+    def rows():
+        return [Request(request_id=f"r{i}", prompt_token_ids=p, arrival_seq=i,
+                        sampling=SamplingParams(max_tokens=2)) for i, p in enumerate(prompts)]
+
+    together, alone = PaddedBackend(tiny_model), PaddedBackend(tiny_model)
+    a_rows, b_rows = rows(), rows()
+    for a, b in zip(a_rows, b_rows):
+        together.begin_prefill(a)
+        alone.begin_prefill(b)
+    for lo, hi in ((0, 4), (4, None)):
+        pieces = [(r, lo, min(r.prompt_len, hi or r.prompt_len)) for r in a_rows
+                  if r.prompt_len > lo]
+        got = together.prefill_together(pieces)
+        for (r, start, end), logits in zip(pieces, got):
+            b = b_rows[a_rows.index(r)]
+            want = alone.prefill_chunk(b, start, end)
+            assert (logits is None) == (end < r.prompt_len)
+            if logits is not None:
+                assert torch.allclose(logits, want, atol=1e-4), (r.request_id, start, end)
+    for a, b in zip(a_rows, b_rows):  # each staging cache is the row's own real KV
+        for la, lb in zip(together.staging[a.request_id].layers,
+                          alone.staging[b.request_id].layers):
+            assert la.keys.shape == lb.keys.shape
+            assert torch.allclose(la.keys, lb.keys, atol=1e-5)
+            assert torch.allclose(la.values, lb.values, atol=1e-5)

@@ -24,6 +24,9 @@ Contract, for every implementation:
   decode row and `prompt[start:end]` for each `(req, start, end)` chunk; it returns
   the decode logits (B, V) and, per chunk, the (V,) logits if it was the prompt's
   final chunk, else None.
+* `prefill_together(pieces)` (backends with `supports_batched_prefill`) pushes several
+  rows' `(req, start, end)` prompt pieces through ONE forward; per piece it returns
+  the (V,) logits if it was the prompt's final piece, else None.
 * `remove_row(req)` forgets a row wherever it is (staging or decode batch).
 * `kv_length` is a backend *metric* (its KV width), never scheduler state (R3).
 """
@@ -41,6 +44,7 @@ from ..request import Request
 class Backend(ABC):
     name: str = "base"
     supports_mixed_batch: bool = False  # forward_mixed is built (EngineConfig checks it)
+    supports_batched_prefill: bool = False  # prefill_together is built
 
     @abstractmethod
     def begin_prefill(self, req: Request) -> None:
@@ -64,6 +68,10 @@ class Backend(ABC):
         """Version B: decode rows and prefill chunks in one forward (see the contract)."""
         raise NotImplementedError(f"the {self.name} backend has no mixed-batch forward; "
                                   "use backend='paged' for prefill_mode='mixed_batch'")
+
+    def prefill_together(self, pieces: list[tuple[Request, int, int]]) -> list:
+        """Several rows' prompt pieces in one forward (see the contract)."""
+        raise NotImplementedError(f"the {self.name} backend prefills one row at a time")
 
     @abstractmethod
     def remove_row(self, req: Request) -> None:

@@ -26,9 +26,10 @@ In memory the KV head comes first: `key_cache[layer]` is a permuted *view* of a
 KV head, so one `index_select` over the flat slots returns every row's history
 already as (H_kv, B, L, D), contiguous, ready for a batched matmul per head with
 no transposing copy. On a 2-core CPU that copy cost as much as the gather itself
-(`minserve.bench.kv_bench`, docs/benchmarks.md). Writing a token is still one
-`flat[:, slot] = kv` and reading a row one `flat[:, slots]` (spelled `index_copy_` /
-`index_select`): plain indexing, which is what a reader should see first. A fused
+(`minserve.bench.kv_bench`, docs/benchmarks.md). Writing a token is one
+`flat[:, slot] = kv` and reading tokens one `flat[:, slots]` (spelled `index_copy_` /
+`index_select`): plain indexing, which is what a reader should see first. Attention
+reads whole blocks (`read_blocks`): a block of one head is S*D contiguous floats. A fused
 CUDA kernel (vLLM's layout is (block, H, D/x, slot, x)) reads blocks in place
 instead of gathering them; on CPU the gather is the clearest equivalent.
 
@@ -76,7 +77,7 @@ class KVBlockStorage:
         # writes the pool.
         self.key_cache = [self._token_major(t) for t in self._k]
         self.value_cache = [self._token_major(t) for t in self._v]
-        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # read(reuse=True)
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # read_blocks(reuse=True)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int) -> KVBlockStorage:
@@ -125,37 +126,53 @@ class KVBlockStorage:
         k_flat.index_copy_(1, slot_mapping, k.to(self.dtype).transpose(0, 1))  # (H_kv, T, D)
         v_flat.index_copy_(1, slot_mapping, v.to(self.dtype).transpose(0, 1))
 
-    def read(self, layer: int, slots: torch.Tensor, reuse: bool = False) -> KV:
+    def read(self, layer: int, slots: torch.Tensor) -> KV:
         """K and V of the tokens in `slots` (any shape S): each (H_kv, *S, D), contiguous
         copies. Slots (B, L) give (H_kv, B, L, D): every row's history, head-major.
-
-        `reuse=True` writes into this storage's scratch buffers instead of new tensors,
-        so the result is only valid until the next `read(..., reuse=True)`: what the
-        paged attention does, layer after layer. Allocating a fresh (H_kv, B, L, D)
-        tensor twice per layer cost more than the copy itself on CPU (each large
-        allocation is new pages for the kernel to fault in).
-
-        `index_select` per KV head rather than `flat[:, slots]`: the same result, but
-        advanced indexing with a 2-D index took ~10 ms here, and `index_select` over
-        dim 1 twice as long as one `index_select` over dim 0 per head.
-        """
+        One token at a time (`index_select` of D-float rows): for a few tokens, or one
+        row; attention over many rows reads whole blocks (`read_blocks`)."""
         k_flat, v_flat = self.flat(layer)
         idx = slots.reshape(-1)
-        n, shape = idx.numel(), (self.num_kv_heads, *slots.shape, self.head_dim)
-        numel = self.num_kv_heads * n * self.head_dim
+        shape = (self.num_kv_heads, *slots.shape, self.head_dim)
+        return (k_flat.index_select(1, idx).view(shape),  # (H_kv, *S, D)
+                v_flat.index_select(1, idx).view(shape))
+
+    def read_blocks(self, layer: int, blocks: torch.Tensor, reuse: bool = False) -> KV:
+        """K and V of whole blocks: `blocks` (B, M) block ids -> each (H_kv, B, M*S, D),
+        row b's tokens 0..M*S-1 in order (a row's table, padded to M blocks with any
+        block id; the caller masks what lies past a row's end).
+
+            pool, per KV head:   (num_blocks, S*D)   one block = S*D contiguous floats
+            row b:               blocks[b] = [12, 3, 0]  ->  block 12 | block 3 | block 0
+
+        Why blocks, not tokens: one copy of S*D floats per block instead of S copies of
+        D floats. Over a decode batch's whole history that gather was the paged
+        backend's largest cost after the matmuls; by blocks it is several times faster
+        (`minserve.bench.kv_bench`). It is still a copy: a fused PagedAttention kernel
+        reads the blocks where they lie.
+
+        `reuse=True` writes into this storage's scratch buffers instead of new tensors,
+        so the result is only valid until the next `read_blocks(..., reuse=True)`: what
+        the paged attention does, layer after layer. Allocating a fresh (H_kv, B, L, D)
+        tensor twice per layer cost more than the copy itself on CPU (each large
+        allocation is new pages for the kernel to fault in).
+        """
+        k_flat, v_flat = self.flat(layer)
+        H, S, D = self.num_kv_heads, self.block_size, self.head_dim
+        B, M = blocks.shape
+        idx = blocks.reshape(-1)  # (B*M,)
+        numel = H * B * M * S * D
         if reuse:  # 1-D buffers, so that the first `numel` elements view as contiguous
             if self._scratch is None or self._scratch[0].numel() < numel:
                 size = max(numel, 2 * (self._scratch[0].numel() if self._scratch else 0))
                 self._scratch = (k_flat.new_empty(size), k_flat.new_empty(size))
-            k_out, v_out = (buf[:numel].view(self.num_kv_heads, n, self.head_dim)
-                            for buf in self._scratch)
+            k_out, v_out = (buf[:numel].view(H, B * M, S * D) for buf in self._scratch)
         else:
-            k_out, v_out = (k_flat.new_empty(self.num_kv_heads, n, self.head_dim)
-                            for _ in range(2))
-        for h in range(self.num_kv_heads):
-            torch.index_select(k_flat[h], 0, idx, out=k_out[h])  # (n, D) rows of head h
-            torch.index_select(v_flat[h], 0, idx, out=v_out[h])
-        return k_out.view(shape), v_out.view(shape)  # (H_kv, *S, D)
+            k_out, v_out = (k_flat.new_empty(H, B * M, S * D) for _ in range(2))
+        # (H, N*S, D) viewed as (H, N, S*D): a block is one row; select B*M rows per head
+        torch.index_select(k_flat.view(H, self.num_blocks, S * D), 1, idx, out=k_out)
+        torch.index_select(v_flat.view(H, self.num_blocks, S * D), 1, idx, out=v_out)
+        return k_out.view(H, B, M * S, D), v_out.view(H, B, M * S, D)  # (H_kv, B, M*S, D)
 
     def gather(self, layer: int, block_table: list[int], length: int) -> KV:
         """Tokens 0..length-1 of one row, in order: K and V each (length, H_kv, D), copies."""

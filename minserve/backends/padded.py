@@ -104,6 +104,7 @@ def _in_place_layer_class():
 
 class PaddedBackend(Backend):
     name = "padded"
+    supports_batched_prefill = True
 
     def __init__(self, model: torch.nn.Module, storage=None, trim_on_remove: bool = True) -> None:
         from transformers import DynamicCache
@@ -146,6 +147,67 @@ class PaddedBackend(Backend):
         if end == req.prompt_len and self.storage is not None and self.block_manager is not None:
             self._store_prompt_blocks(req, cache)
         return out.logits[0, -1].float()  # (V,)
+
+    @torch.inference_mode()
+    def prefill_together(self, pieces: list[tuple[Request, int, int]]) -> list:
+        """Several staging rows' pieces in ONE forward, left-padded side by side, the way
+        the decode batch is. Row i has s_i tokens of KV already and pushes t_i new ones:
+
+            columns      past (W = max s_i)    new (T = max t_i)
+            row "a"      [ . . k k k ]         [ . . . n n ]     s=3, t=2
+            row "b"      [ k k k k k ]         [ n n n n n ]     s=5, t=5
+            row "c"      [ . . . . . ]         [ . n n n n ]     s=0, t=4
+            mask         0 where ".", 1 where k or n; positions s_i .. s_i + t_i - 1
+
+        Every row's last token sits in the last column, so one `logits_to_keep=1` gives
+        each row's next-token logits. Afterwards each row's staging cache is its own
+        real columns again (batch 1, s_i + t_i tokens), as if it had run alone.
+        Returns per piece its (V,) logits if it was the prompt's final piece, else None.
+        """
+        B = len(pieces)
+        starts = [start for _, start, _ in pieces]
+        lens = [end - start for _, start, end in pieces]
+        W, T = max(starts), max(lens)
+        ids = torch.zeros(B, T, dtype=torch.long, device=self.device)  # pad id: any, masked
+        pos = torch.zeros(B, T, dtype=torch.long, device=self.device)
+        mask = torch.zeros(B, W + T, dtype=torch.long, device=self.device)
+        for i, (req, start, end) in enumerate(pieces):
+            assert self.staging[req.request_id].get_seq_length() == start
+            ids[i, T - lens[i]:] = torch.tensor(req.prompt_token_ids[start:end])
+            pos[i, T - lens[i]:] = torch.arange(start, end)
+            mask[i, W - start:W] = 1
+            mask[i, W + T - lens[i]:] = 1
+        batch = self._DynamicCache(config=self.model.config)
+        if W:  # the rows' past KV, left-padded to W columns: (B, H_kv, W, D) per layer
+            rows = [self.staging[req.request_id].layers for req, _, _ in pieces]
+            for layer in range(len(rows[0])):
+                k = torch.cat([F.pad(r[layer].keys, (0, 0, W - s, 0)) if s else
+                               self._empty_past(rows, layer, W) for r, s in zip(rows, starts)])
+                v = torch.cat([F.pad(r[layer].values, (0, 0, W - s, 0)) if s else
+                               self._empty_past(rows, layer, W) for r, s in zip(rows, starts)])
+                batch.update(k, v, layer)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                         logits_to_keep=1, **{self.cache_arg: batch})
+        logits = out.logits[:, -1].float()  # (B, V)
+        results = []
+        for i, (req, _, end) in enumerate(pieces):
+            real = mask[i].nonzero().squeeze(1)  # this row's s_i + t_i real columns
+            row = self._DynamicCache(config=self.model.config)
+            for layer, big in enumerate(batch.layers):
+                row.update(big.keys[i:i + 1, :, real], big.values[i:i + 1, :, real], layer)
+            self.staging[req.request_id] = row
+            final = end == req.prompt_len
+            if final and self.storage is not None and self.block_manager is not None:
+                self._store_prompt_blocks(req, row)
+            results.append(logits[i] if final else None)
+        return results
+
+    @staticmethod
+    def _empty_past(rows, layer: int, width: int) -> torch.Tensor:
+        """W columns of padding for a row with no past yet (its cache layer is empty)."""
+        ref = next(r[layer].keys for r in rows if r[layer].keys is not None
+                   and r[layer].keys.numel())
+        return ref.new_zeros(1, ref.shape[1], width, ref.shape[3])
 
     def _store_prompt_blocks(self, req: Request, cache) -> None:
         """Copy the newly computed prompt KV into the shared block storage (K1), so a

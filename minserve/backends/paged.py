@@ -66,8 +66,8 @@ class RowGroup:
     offset: int  # first token of the group in the forward's flat token order
     B: int
     T: int
-    read_slots: torch.Tensor  # (B, L) pool slots of each row's tokens 0..L-1 (masked past its end)
-    attn_mask: torch.Tensor  # (B, 1, T, L) bool: may query t of row b see key l?
+    read_blocks: torch.Tensor  # (B, M) block ids of each row's tokens 0..M*S-1 (padded)
+    attn_mask: torch.Tensor  # (B, 1, T, M*S) bool: may query t of row b see key l?
 
 
 @dataclass
@@ -116,9 +116,8 @@ class PagedForward:
         B, T = len(rows), rows[0][2]
         ends = [s + T for _, s, _ in rows]  # tokens each row holds after this forward
         L = max(ends)
-        # Every row's slots 0..L-1 in one vectorised lookup over a padded block-table
-        # tensor (B, max_blocks): slot = table[b, l // S] * S + l % S. Past a row's end
-        # its table is padded with block 0, so those slots are real but masked below.
+        # Every row's block table in one padded tensor (B, need); past a row's last
+        # block, block 0: real memory, masked below.
         S = storage.block_size
         need = -(-L // S)  # blocks covering L tokens
         tables = torch.zeros(B, need, dtype=torch.long)  # (B, need)
@@ -127,14 +126,17 @@ class PagedForward:
                 raise ValueError(f"row {b} needs {n} tokens; its table has {len(table)} blocks")
             k = min(len(table), need)
             tables[b, :k] = torch.tensor(table[:k], dtype=torch.long)
-        key_pos = torch.arange(L)  # (L,)
-        read = (tables[:, key_pos // S] * S + key_pos % S).to(storage.device)  # (B, L)
+        # Keys are read a whole block at a time (`read_blocks`): L_pad = need * S columns,
+        # row b's tokens in its own blocks, then whatever sits in the rest of its last
+        # block and in the padding blocks (block 0). All masked below.
+        key_pos = torch.arange(need * S)  # (L_pad,)
         # One comparison does both jobs: key l is visible to a query at position p iff
         # l <= p. That is causality inside a prefill chunk AND it hides the padding of
-        # shorter rows in the gathered (B, L) batch (l >= n > p for every query of row b).
+        # shorter rows in the gathered (B, L_pad) batch (l >= n > p for every query of b).
         positions = torch.tensor([[s + t for t in range(T)] for _, s, _ in rows])  # (B, T)
-        mask = key_pos[None, None, :] <= positions[:, :, None]  # (B, T, L)
-        return RowGroup(offset, B, T, read, mask.unsqueeze(1).to(storage.device))
+        mask = key_pos[None, None, :] <= positions[:, :, None]  # (B, T, L_pad)
+        return RowGroup(offset, B, T, tables.to(storage.device),
+                        mask.unsqueeze(1).to(storage.device))
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -179,10 +181,11 @@ def _attend(ctx: PagedForward, layer: int, g: RowGroup, query: torch.Tensor, H_k
             scale: float) -> torch.Tensor:
     """One group's attention over its rows' histories: q (B, H, T, D) -> (B, T, H, D)."""
     B, H, T, D = query.shape
-    # 2. Gather: every row's whole history, padded to L in this temporary only (the
-    #    pool has no padding). A fused PagedAttention kernel reads the blocks in place;
-    #    one gather per layer + one batched attention is the readable CPU equivalent.
-    k, v = ctx.storage.read(layer, g.read_slots, reuse=True)  # (H_kv, B, L, D) each
+    # 2. Gather: every row's whole history, block by block, padded to L_pad = M*S in
+    #    this temporary only (the pool has no padding). A fused PagedAttention kernel
+    #    reads the blocks in place; one gather per layer + one batched attention is
+    #    the readable CPU equivalent.
+    k, v = ctx.storage.read_blocks(layer, g.read_blocks, reuse=True)  # (H_kv, B, L_pad, D)
     if T > 1:  # prompt chunks: PyTorch's fused CPU attention, which never materialises
         # the (T, L) scores per head (a 256-token chunk over 6,000 tokens of history is
         # 4.6 M floats per head); it takes the mask and the GQA grouping as they are.
@@ -234,6 +237,7 @@ class PagedBackend(Backend):
 
     name = "paged"
     supports_mixed_batch = True
+    supports_batched_prefill = True
 
     def __init__(self, model: torch.nn.Module, block_manager: BlockManager,
                  storage: KVBlockStorage | None = None) -> None:
@@ -283,6 +287,10 @@ class PagedBackend(Backend):
         logits = self._forward(ids, pos, [self.block_manager.block_table(req.request_id)])
         self.staging[req.request_id] = end
         return logits[0]  # (V,)
+
+    def prefill_together(self, pieces: list[tuple[Request, int, int]]) -> list:
+        """The pieces flattened into one forward: `forward_mixed` with no decode rows."""
+        return self.forward_mixed([], [], pieces)[1]
 
     def promote(self, req: Request) -> None:
         held = self._staged(req)
