@@ -162,6 +162,12 @@ class RequestHandle:
             if ev.finish_reason is not None:
                 return
 
+    def wait_for_worker(self) -> None:
+        """Never tick from this handle's reader: a server's event loop must not run a
+        forward (and must not spin on a dead worker's queue); it waits for the worker's
+        ticks, and reports a dead worker itself."""
+        self._drive = None
+
     async def __aiter__(self) -> AsyncIterator[StreamEvent]:
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()

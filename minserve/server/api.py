@@ -167,6 +167,7 @@ async def _generate(engine: Engine, request: Request, body: GenerationRequest, i
                                request_id=rid)
     except ValueError as e:
         raise bad_request(str(e), "prompt") from None
+    handle.wait_for_worker()  # if the worker dies now, the loop below says so (503)
     shaper = ResponseShaper(kind, rid, engine.model_name, len(ids), session, body.priority)
     events = _while_worker_lives(engine, handle.__aiter__())
     handed_off = False  # True once a streaming response owns the cancel
