@@ -30,6 +30,7 @@ BUILT_MODE_BACKENDS = {(PrefillMode.MONOLITHIC, "padded"), (PrefillMode.MONOLITH
                        (PrefillMode.CHUNKED, "padded"), (PrefillMode.CHUNKED, "paged"),
                        (PrefillMode.MIXED_BATCH, "paged")}
 POLICIES = ("fcfs", "fair")
+ADMISSIONS = ("reserve", "preempt")
 BACKENDS = ("padded", "paged")
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -60,6 +61,10 @@ class EngineConfig:
 
     # --- backpressure (G) -------------------------------------------------------
     kv_budget_tokens: int | None = None  # gate G2; None -> num_blocks * block_size
+    # "reserve": admit on prompt + max_tokens, so a running row never runs out of KV (R1).
+    # "preempt": admit on what the prompt needs now; when decode would run out of KV, a
+    # running row is preempted (its KV dropped, recomputed on re-admission). P6.
+    admission: str = "reserve"
 
     # --- backend and KV cache (B, K) --------------------------------------------
     backend: str = "padded"  # "padded" (DynamicCache) | "paged" (block tables)
@@ -87,6 +92,8 @@ class EngineConfig:
              f"max_rows_per_session={self.max_rows_per_session!r}; use an int >= 1, or None "
              "for no cap")
         need(self.policy in POLICIES, f"policy={self.policy!r}; use one of {POLICIES}")
+        need(self.admission in ADMISSIONS,
+             f"admission={self.admission!r}; use one of {ADMISSIONS}")
         need(self.fair_w_in >= 0 and self.fair_w_out >= 0 and self.fair_w_in + self.fair_w_out > 0,
              "fair_w_in and fair_w_out must be >= 0 and not both 0")
         need(_pos_int(self.fair_max_sessions),

@@ -238,6 +238,15 @@ class FairPolicy(Policy):
         else:
             self._running.pop(s, None)
 
+    def on_request_preempted(self, req: Request) -> None:
+        """A running row goes back to wait (P6). No lift: its session's counter is kept
+        as it stands, charged for what it was served. Lifting it (it may be the only
+        request of its session waiting) would charge the session a second time for
+        being preempted, which the scheduler decided, not the session."""
+        self.on_request_finished(req)  # it no longer runs
+        self._last_active[req.session_id] = req.arrival_seq
+        self._waiting.append(req)
+
     def _forget_idle_sessions(self, n: int) -> None:
         """Drop up to `n` sessions with nothing waiting and nothing running, least
         recently active first (see "Bounded state"). The session that last left each

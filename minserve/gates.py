@@ -12,8 +12,10 @@ engine, so the client gets an answer (HTTP 429 + reason) instead of a hang.
 Why a reservation (G2) and not just free memory: a request admitted now will
 grow by up to `max_tokens` more tokens of KV. Reserving `prompt_len +
 max_tokens` up front means an admitted request can always finish; without it,
-the engine must preempt (evict-to-admit, then re-evict: thrash). Preemption is
-out of scope (P6); it would be one more place that subtracts the reservation.
+the engine must preempt: admit on what the prompt needs now, and when memory runs
+out, drop a running request's KV and recompute it later. minserve builds both
+(`EngineConfig.admission`, "reserve" by default, "preempt"; P6): the gates are
+the same functions, asked about a different `need`.
 
 Pure functions: the scheduler owns the numbers and the counters.
 """
@@ -33,16 +35,21 @@ def check_queue_capacity(pending: int, max_queue_size: int) -> Rejection | None:
     return None
 
 
-def check_kv_budget(need: int, reserved: int, budget: int) -> Rejection | None:
-    """G2, at admit: reserve `prompt_len + max_tokens` tokens of KV out of `budget`.
+def check_kv_budget(need: int, reserved: int, budget: int,
+                    whole: int | None = None) -> Rejection | None:
+    """G2, at admit: reserve `need` tokens of KV out of `budget` (admission="reserve":
+    prompt_len + max_tokens; "preempt": what the prompt needs now, `whole` being
+    prompt_len + max_tokens, the most it may ever hold).
 
-    need > budget              -> hard: it could never fit, even alone.
+    whole > budget             -> hard: it could never finish, even alone.
     reserved + need > budget   -> soft: wait until running requests finish.
     """
+    whole = need if whole is None else whole
     numbers = {"need": need, "active_kv_reserved": reserved, "kv_budget_tokens": budget}
-    if need > budget:
+    if whole > budget:
+        numbers["prompt_plus_max_tokens"] = whole
         return Rejection(gate="G2", reason="kv_budget_exceeded", hard=True, numbers=numbers,
-                         message=f"prompt + max_tokens = {need} tokens exceeds the whole KV "
+                         message=f"prompt + max_tokens = {whole} tokens exceeds the whole KV "
                                  f"budget of {budget} tokens; shorten the prompt or max_tokens")
     if reserved + need > budget:
         return Rejection(gate="G2", reason="kv_budget", hard=False, numbers=numbers,

@@ -8,6 +8,8 @@ One interface, five hooks, called by the scheduler at fixed points:
     pick_next             admit commits to the head         pop head   pop head
     on_tokens_processed   after prefill chunks / decode     no-op      charge the session (P3)
     on_request_finished   row leaves `active`               no-op      cleanup
+    on_request_preempted  a running row goes back to wait   insert     insert, counter kept
+    choose_victim         preemption needs a row's KV       lowest priority, latest arrival
 
 A policy *is* the pending queue (Q1): it holds the requests that wait and
 decides their order. Peek and pick are separate because admission may
@@ -57,6 +59,23 @@ class Policy(ABC):
 
     def on_request_finished(self, req: Request) -> None:
         """`req` left the engine (finished, cancelled or evicted)."""
+
+    def on_request_preempted(self, req: Request) -> None:
+        """`req` was running and goes back to `pending` (admission="preempt", P6): its
+        KV was dropped and will be recomputed when it is admitted again. By default it
+        re-enters like an arrival, by its own key, so under FCFS it keeps its place:
+        ahead of everything that arrived after it."""
+        self.on_request_arrived(req)
+
+    def choose_victim(self, running: list[Request]) -> Request:
+        """Which running row to preempt when decode would run out of KV (P6).
+
+        The lowest priority, then the latest arrival (vLLM's rule too). Why: a
+        higher-priority row is never sacrificed for a lower one; among equals the
+        latest arrival has usually done the least work (least to recompute), and it
+        is the one this policy would have admitted last, so preempting it undoes
+        the newest decision instead of reordering old ones."""
+        return min(running, key=lambda r: (r.priority, -r.arrival_seq))
 
     @abstractmethod
     def __iter__(self) -> Iterator[Request]:

@@ -51,6 +51,9 @@ class DecodeRecord:
     finished: dict[str, str] = field(default_factory=dict)  # request_id -> finish reason (evicted next tick)
     kv_length: int = 0  # backend metric after the step
     failed: list[dict[str, Any]] = field(default_factory=list)  # {request_id, error}: forward or sampling raised
+    # admission="preempt": rows sent back to `pending` before the forward, to make room
+    preempted: list[dict[str, Any]] = field(default_factory=list)
+    # each: {request_id, from_queue, released_tokens, released_blocks, tokens_so_far, why}
 
 
 @dataclass

@@ -90,9 +90,16 @@ class Request:
 
     status: RequestStatus = RequestStatus.PENDING
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_prompt_tokens: int = 0  # prompt tokens whose KV exists (cached + prefilled)
+    # tokens of `prefill_token_ids` whose KV exists (cached + prefilled); the prompt's, until
+    # a preemption makes the prefill sequence prompt + output so far
+    num_computed_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # of those, taken from the prefix cache instead of computed
-    reserved_tokens: int = 0  # what admit added to active_kv_reserved (R1); 0 when none held
+    reserved_tokens: int = 0  # this row's part of active_kv_reserved (R1); 0 when none held
+    # --- preemption (admission="preempt") ---
+    recompute_token_ids: list[int] = field(default_factory=list)  # outputs to recompute
+    num_preemptions: int = 0
+    kv_high_water: int = 0  # most tokens of KV it ever held: beyond it nothing is recomputed
+    policy_running: bool = False  # the policy picked it and has not been told it stopped
     finish_reason: FinishReason | None = None
     rejection: Rejection | None = None
     error: str | None = None
@@ -121,6 +128,17 @@ class Request:
         return self.prompt_len + self.max_tokens
 
     @property
+    def prefill_token_ids(self) -> list[int]:
+        """The tokens admission must (re)compute the KV of: the prompt, and after a
+        preemption also the output tokens produced so far. Its last token is what the
+        final prefill chunk samples after, so the stream continues where it stopped."""
+        return self.prompt_token_ids + self.recompute_token_ids
+
+    @property
+    def prefill_len(self) -> int:
+        return self.prompt_len + len(self.recompute_token_ids)
+
+    @property
     def num_tokens(self) -> int:
         """Prompt + output tokens so far."""
         return self.prompt_len + len(self.output_token_ids)
@@ -131,7 +149,7 @@ class Request:
 
     @property
     def prefill_done(self) -> bool:
-        return self.num_computed_prompt_tokens >= self.prompt_len
+        return self.num_computed_prompt_tokens >= self.prefill_len
 
     # --- stopping ---------------------------------------------------------------------------
     def stop_reason_after(self, token_id: int) -> FinishReason | None:

@@ -21,12 +21,24 @@ Each phase is a public method that returns a record of what it did
 
 The load-bearing invariant (R1):
 
-    active_kv_reserved == sum(prompt_len + max_tokens for r in prefilling + active)
+    active_kv_reserved == sum(r.reserved_tokens for r in prefilling + active)
+    admission="reserve" (default): r.reserved_tokens == prompt_len + max_tokens
+    admission="preempt":           r.reserved_tokens == the KV the row holds after its
+                                   next forward (its prefill tokens; then +1 per decode)
 
-Admit adds a request's reservation; eviction (finish, cancel, error) subtracts
-it. `check_invariants()` verifies R1 and that every request sits in exactly one
-queue; the tests call it after every phase. (Preemption, P6, would be one more
-subtractor: it would live next to `_release`.)
+Admit adds a request's reservation (preempt: decode grows it by one token per
+step); `_release` is the one subtractor: eviction (finish, cancel, error) and
+preemption both go through it. `check_invariants()` verifies R1 and that every
+request sits in exactly one queue; the tests call it after every phase.
+
+Reserve or preempt (P6). Reserving prompt + max_tokens at admission means a
+running row can never run out of KV, at the price of admitting fewer rows than
+memory could hold (most requests stop long before max_tokens). "preempt" admits
+on what the prompt needs now; when a decode step would run out of KV (the G2
+budget, or free blocks on the paged backend), `_make_room` preempts running rows
+chosen by the policy (lowest priority, latest arrival): their KV is released, they
+go back to `pending`, and on re-admission the prompt *and* the tokens produced so
+far are recomputed (prefix-cache hits welcome); the stream just continues.
 """
 
 from __future__ import annotations
@@ -73,6 +85,8 @@ class Scheduler:
         self.kv_length_metric = 0  # the backend's kv_length after the last decode step
         self.tokens_generated = 0
         self.prompt_tokens_computed = 0
+        self.preemptions = 0  # rows sent back to pending (admission="preempt")
+        self.recomputed_tokens = 0  # tokens whose KV was computed again after a preemption
         self.forwards: list[int] = []  # tokens in each model forward of the tick in progress
         self._planned: list[tuple[Request, dict[str, Any]]] = []  # mixed_batch: T2 -> T4
         self._planned_record = PrefillRecord()  # ... and the T2 record those chunks are in
@@ -139,8 +153,8 @@ class Scheduler:
         reservation) and G3 (block pool). With `max_rows_per_session`, a head
         whose session already holds that many rows lets the first waiting
         request of another session go ahead of it. Pass -> pick it, reserve
-        prompt_len + max_tokens (R1), allocate its blocks (cached prefix
-        reused, K2) and open its staging row. Soft hold -> stop; the head keeps
+        its KV (R1: prompt_len + max_tokens; preempt: its prefill tokens),
+        allocate its blocks (cached prefix reused, K2) and open its staging row. Soft hold -> stop; the head keeps
         its place (G4). Hard reject -> finish it with the gate's reason (G6) and
         look at the next one.
 
@@ -174,10 +188,12 @@ class Scheduler:
                     self._finish(req, FinishReason.ERROR, rejection=rejection)
                     rec.rejected.append({"request_id": req.request_id, "rejection": rejection.to_dict()})
                     continue
-                reserved = req.kv_need
+                req.policy_running = True  # it runs: `_finish` tells the policy it stopped
                 if self._admit(req):
-                    rec.admitted.append({"request_id": req.request_id, "reserved": reserved,
-                                         "cached_tokens": req.num_cached_tokens})
+                    rec.admitted.append({"request_id": req.request_id,
+                                         "reserved": req.reserved_tokens,
+                                         "cached_tokens": req.num_cached_tokens,
+                                         "recompute": len(req.recompute_token_ids)})
                 else:
                     rec.failed.append({"request_id": req.request_id, "error": req.error})
         return rec
@@ -185,21 +201,36 @@ class Scheduler:
     def _run_gates(self, req: Request) -> Rejection | None:
         """The head's verdict: a hard reject first (it can never fit: refuse it at once,
         never hold it behind a full batch or another gate's soft hold, G4), then the
-        soft holds: G2's reservation, a batch row, G3's free blocks."""
-        g2 = gates.check_kv_budget(req.kv_need, self.active_kv_reserved, self.kv_budget_tokens)
+        soft holds: G2's reservation, a batch row, G3's free blocks.
+
+        Hard, in both admission modes: prompt + max_tokens does not fit the whole
+        budget (or pool), so the request could not finish even alone. Soft:
+        reserve: prompt + max_tokens must fit next to what running rows reserved.
+        preempt: only its prefill tokens + its first decode token, next to what
+        running rows hold plus the token each of them writes in the next decode
+        (so admitting it never forces a preemption in the same tick)."""
+        preempt = self.preempting
+        need = req.prefill_len + 1 if preempt else req.kv_need
+        reserved = self.active_kv_reserved + (self._decode_growth() if preempt else 0)
+        g2 = gates.check_kv_budget(need, reserved, self.kv_budget_tokens, whole=req.kv_need)
         g3 = None
         if self.block_manager is not None:
             bm = self.block_manager
             # The paged backend's KV keeps growing into the pool while it decodes, so
             # there G3 counts blocks for prompt + max_tokens, and the blocks already
             # promised to running rows are not free: decode can never run out of
-            # blocks mid-flight (no preemption needed, P6). The padded backend's
-            # decode KV lives outside the pool; only its prompt blocks are pooled.
-            tokens = req.kv_need if self._kv_grows_in_pool else req.prompt_len
+            # blocks mid-flight (reserve). Under preempt: blocks for what it needs now,
+            # and the blocks running rows take in the next decode are not free. The
+            # padded backend's decode KV lives outside the pool; only its prompt
+            # (prefill) blocks are pooled.
+            grows = self._kv_grows_in_pool
+            tokens = (need if preempt else req.kv_need) if grows else req.prefill_len
+            whole = req.kv_need if grows else req.prompt_len
+            taken = self._decode_growth_blocks() if preempt else self._promised_blocks()
             g3 = gates.check_block_pool(
-                blocks_needed=bm.blocks_needed(req.prompt_token_ids, tokens),
-                free_blocks=bm.num_free_blocks() - self._promised_blocks(),
-                prompt_blocks=bm.num_blocks_for(tokens), num_blocks=bm.num_blocks)
+                blocks_needed=bm.blocks_needed(req.prefill_token_ids, tokens),
+                free_blocks=bm.num_free_blocks() - taken,
+                prompt_blocks=bm.num_blocks_for(whole), num_blocks=bm.num_blocks)
         for r in (g2, g3):
             if r is not None and r.hard:
                 return r
@@ -219,6 +250,29 @@ class Scheduler:
     def _kv_grows_in_pool(self) -> bool:
         return self.backend.name == "paged"
 
+    @property
+    def preempting(self) -> bool:
+        return self.config.admission == "preempt"
+
+    def _decode_growth(self) -> int:
+        """Tokens of KV the next decode adds (preempt): one per row that will decode,
+        the active rows and those that may be promoted by then."""
+        return len(self.active) + len(self.prefilling)
+
+    def _decode_growth_blocks(self, include_prefilling: bool = True) -> int:
+        """Blocks the next decode takes from the pool (paged, preempt): a row whose next
+        token starts a new block needs one (and rows still prefilling, which may decode
+        by then, unless `include_prefilling` is False)."""
+        if not self._kv_grows_in_pool:
+            return 0
+        bm = self.block_manager
+        n = sum(bm.num_blocks_for(r.num_tokens) > len(bm.block_table(r.request_id))
+                for r in self.active)
+        if include_prefilling:
+            n += sum(bm.num_blocks_for(r.prefill_len + 1) > bm.num_blocks_for(r.prefill_len)
+                     for r in self.prefilling)
+        return n
+
     def _promised_blocks(self) -> int:
         """Blocks that running rows will still take as they decode (paged backend)."""
         if not self._kv_grows_in_pool:
@@ -231,14 +285,14 @@ class Scheduler:
         """Reserve, allocate, open the staging row. All or nothing: if any step raises,
         what was taken is given back and the request fails alone (returns False)."""
         req.status = RequestStatus.PREFILLING
-        req.reserved_tokens = req.kv_need
+        req.reserved_tokens = req.prefill_len if self.preempting else req.kv_need
         self.active_kv_reserved += req.reserved_tokens  # R1: admit adds
         req.timing.admitted = time.perf_counter()
         self.prefilling.append(req)  # first, so that a failure below is released like any row
         try:
             if self.block_manager is not None:
-                req.num_cached_tokens = self.block_manager.allocate_prompt(req.request_id,
-                                                                            req.prompt_token_ids)
+                req.num_cached_tokens = self.block_manager.allocate_prompt(
+                    req.request_id, req.prefill_token_ids)
             req.num_computed_prompt_tokens = req.num_cached_tokens
             self.backend.begin_prefill(req)
         except Exception as e:
@@ -283,11 +337,11 @@ class Scheduler:
                 if req.cancel_requested:
                     continue  # T3 evicts it
                 start = req.num_computed_prompt_tokens
-                end = req.prompt_len if chunk_size is None else min(req.prompt_len,
-                                                                      start + chunk_size)
+                end = req.prefill_len if chunk_size is None else min(req.prefill_len,
+                                                                       start + chunk_size)
                 if mode is PrefillMode.MIXED_BATCH:  # T4 runs it, in the decode forward
                     chunk = {"request_id": req.request_id, "start": start, "end": end,
-                             "final": end == req.prompt_len, "first_token": None,
+                             "final": end == req.prefill_len, "first_token": None,
                              "in_decode_forward": True}
                     self._planned.append((req, chunk))
                     rec.chunks.append(chunk)
@@ -341,15 +395,25 @@ class Scheduler:
         req.num_computed_prompt_tokens = end
         req.timing.prefill_chunks += 1
         self.prompt_tokens_computed += end - start
-        final = end == req.prompt_len
+        # after a preemption: tokens whose KV existed before are computed again
+        again = max(0, min(end, req.kv_high_water) - start)
+        self.recomputed_tokens += again
+        # P3 charges prompt tokens computed for the first time; output tokens (which a
+        # re-prefill after a preemption also carries) were charged when sampled
+        new_prompt = max(0, min(end, req.prompt_len) - max(start, req.kv_high_water))
+        req.kv_high_water = max(req.kv_high_water, end)
+        final = end == req.prefill_len
         chunk = {"request_id": req.request_id, "start": start, "end": end,
                  "final": final, "first_token": None}
+        if again:
+            chunk["recomputed"] = again
         if final:
             if self.block_manager is not None:
-                self.block_manager.mark_computed(req.request_id, req.prompt_token_ids, end)
+                self.block_manager.mark_computed(req.request_id, req.prefill_token_ids, end)
             chunk["first_token"] = self._append_token(req, logits)
-        with self.queue_lock:  # P3: the chunk's prompt tokens (+ the first output token)
-            self.policy.on_tokens_processed(req, end - start, 1 if final else 0)
+        with self.queue_lock:  # P3: the chunk's new prompt tokens (+ the next output token);
+            # recomputation is the scheduler's doing, not the session's: never charged
+            self.policy.on_tokens_processed(req, new_prompt, 1 if final else 0)
         if final:
             self._promote_to_decode(req)
         return chunk
@@ -437,8 +501,10 @@ class Scheduler:
                 raise RuntimeError(
                     f"T5: decode_step found finished rows {finished} in `active`; run "
                     "evict_finished before decode_step (a finished row is never decoded again)")
+            if self.preempting:  # P6: free KV for this step's tokens, preempting if need be
+                rec.preempted = self._make_room()
             rows = list(self.active)
-            # mixed_batch: the chunks T2 planned, minus rows T3 evicted (cancelled)
+            # mixed_batch: the chunks T2 planned, minus rows T3 evicted or preempted
             planned = [(r, c) for r, c in self._planned if r in self.prefilling]
             self._planned = []
             if not rows and not planned:
@@ -447,6 +513,10 @@ class Scheduler:
             if self._kv_grows_in_pool:
                 for r in rows:  # room for the token about to be written
                     self.block_manager.append_slots(r.request_id, r.num_tokens)
+            if self.preempting:
+                for r in rows:  # R1 under preempt: the reservation grows with the KV
+                    r.reserved_tokens += 1
+                    self.active_kv_reserved += 1
             feed = [r.output_token_ids[-1] for r in rows]
             rec.positions = {r.request_id: r.num_tokens - 1 for r in rows}
             try:
@@ -488,6 +558,65 @@ class Scheduler:
             rec.kv_length = self.kv_length_metric = self.backend.kv_length
         return rec
 
+    # ---------------------------------------------------------------- P6
+    def _make_room(self) -> list[dict[str, Any]]:
+        """Preempt mode, at the start of T4: before this decode writes one token of KV
+        per active row, make sure that KV exists. If the G2 budget (or, on the paged
+        backend, the free blocks) cannot take one more token per row, preempt the
+        policy's victim (lowest priority, latest arrival) among the running rows, again
+        until it fits. Prefill never needs room here: admission gave a row all of its
+        prefill KV (G2, G3), so only decode grows.
+
+        After: active_kv_reserved + len(active) <= kv_budget_tokens, and (paged) the
+        active rows' next tokens fit the free blocks. Always reachable: a request that
+        could not fit alone was refused at admission."""
+        out = []
+        while self.prefilling or self.active:
+            over_budget = self.active_kv_reserved + len(self.active) > self.kv_budget_tokens
+            over_blocks = (self._kv_grows_in_pool and self._decode_growth_blocks(False)
+                           > self.block_manager.num_free_blocks())
+            if not (over_budget or over_blocks):
+                break
+            with self.queue_lock:
+                victim = self.policy.choose_victim(self.prefilling + self.active)
+            why = (f"kv_budget: {self.active_kv_reserved} reserved + {len(self.active)} new tokens > {self.kv_budget_tokens}"
+                if over_budget else
+                f"block_pool: {self.block_manager.num_free_blocks()} free blocks")
+            out.append(self._preempt(victim, why))
+        return out
+
+    def _preempt(self, req: Request, why: str) -> dict[str, Any]:
+        """Send a running row back to `pending` (P6). Its reservation and blocks go back
+        through `_release`, the same single subtractor as eviction (R1); the policy
+        re-queues it (`on_request_preempted`: FCFS by its old key, the fair policy with
+        its counter kept). On re-admission it prefills prompt + the tokens it has
+        produced so far, then samples its next token: the client's stream goes on."""
+        queue = self.prefilling if any(r is req for r in self.prefilling) else self.active
+        held = (req.num_computed_prompt_tokens if queue is self.prefilling
+                else req.num_tokens - 1)  # KV it holds: all but the token not yet fed
+        blocks = (len(self.block_manager.block_table(req.request_id))
+                  if self.block_manager is not None else 0)
+        if self.block_manager is not None and self._kv_grows_in_pool and queue is self.active:
+            # its decoded tokens' full blocks become cache entries, so re-admission
+            # may find them instead of recomputing (paged: the KV is in the pool)
+            self.block_manager.mark_computed(req.request_id, req.prompt_token_ids
+                                             + req.output_token_ids, held)
+        released = self._release(req)
+        queue.remove(req)
+        req.kv_high_water = max(req.kv_high_water, held)
+        req.recompute_token_ids = list(req.output_token_ids)
+        req.num_computed_prompt_tokens = req.num_cached_tokens = 0
+        req.num_preemptions += 1
+        self.preemptions += 1
+        req.status = RequestStatus.PENDING
+        with self.queue_lock:
+            req.policy_running = False
+            self.policy.on_request_preempted(req)
+        return {"request_id": req.request_id, "from_queue": "prefilling" if queue is
+                self.prefilling else "active", "released_tokens": released,
+                "released_blocks": blocks, "tokens_so_far": len(req.output_token_ids),
+                "why": why}
+
     # ================================================================= helpers
     def _append_token(self, req: Request, logits) -> int:
         """Sample, record, stream. Sets finish_reason when the request is done."""
@@ -516,7 +645,8 @@ class Scheduler:
         with self.queue_lock:
             self.requests.pop(req.request_id, None)
             try:
-                if req.timing.admitted is not None:  # it was admitted, so the policy saw it run
+                if req.policy_running:  # the policy picked it: tell it it stopped
+                    req.policy_running = False
                     self.policy.on_request_finished(req)
             except Exception as e:  # the policy's cleanup failed: the client still gets its end
                 self.hook_errors += 1
@@ -566,16 +696,24 @@ class Scheduler:
         """R1 + queue membership (Q) + backend bookkeeping (R3). Tests call this after every phase."""
         with self.lock, self.queue_lock:
             pending = list(self.policy)
-            expect = sum(r.kv_need for r in self.prefilling + self.active)
+            expect = sum(r.reserved_tokens for r in self.prefilling + self.active)
             assert self.active_kv_reserved == expect, f"R1: reserved {self.active_kv_reserved} != {expect}"
-            assert all(r.reserved_tokens == r.kv_need for r in self.prefilling + self.active), "R1 per row"
+            if self.preempting:  # the KV each row holds after its last forward
+                assert all(r.reserved_tokens == r.prefill_len for r in self.prefilling), "R1 row"
+                # (a row whose sampling failed after the forward holds its fed token too)
+                assert all(r.reserved_tokens == r.num_tokens - 1 or r.finish_reason is
+                           FinishReason.ERROR for r in self.active), "R1 row"
+                assert self.active_kv_reserved <= self.kv_budget_tokens, "R1: over budget"
+            else:
+                assert all(r.reserved_tokens == r.kv_need
+                           for r in self.prefilling + self.active), "R1 per row"
             ids = [r.request_id for r in pending + self.prefilling + self.active]
             assert len(ids) == len(set(ids)), "a request sits in two queues"
             assert set(ids) == set(self.requests), "Q: tracked requests != queued requests"
             assert all(r.status is RequestStatus.PENDING for r in pending)
             assert all(r.status is RequestStatus.PREFILLING for r in self.prefilling)
             assert all(r.status is RequestStatus.ACTIVE for r in self.active)
-            assert all(0 <= r.num_computed_prompt_tokens < r.prompt_len for r in self.prefilling)
+            assert all(0 <= r.num_computed_prompt_tokens < r.prefill_len for r in self.prefilling)
             assert len(self.prefilling) + len(self.active) <= self.config.max_batch_size
             assert self.backend.num_rows == len(self.active), "backend rows != active"
             self.backend.check_invariants()
@@ -599,7 +737,8 @@ class Scheduler:
         return {"session": req.session_id, "priority": req.priority, "prompt_len": req.prompt_len,
                 "computed": req.num_computed_prompt_tokens, "cached": req.num_cached_tokens,
                 "output_len": len(req.output_token_ids), "max_tokens": req.max_tokens,
-                "status": req.status.value}
+                "status": req.status.value, "preemptions": req.num_preemptions,
+                "recompute": len(req.recompute_token_ids)}
 
     def snapshot_record(self, admit: AdmitRecord | None = None, prefill: PrefillRecord | None = None,
                         evict: EvictRecord | None = None, decode: DecodeRecord | None = None,
@@ -640,6 +779,9 @@ class Scheduler:
             "failed_rows": self.failed_rows,
             "tokens_generated": self.tokens_generated,
             "prompt_tokens_computed": self.prompt_tokens_computed,
+            "admission": self.config.admission,
+            "preemptions": self.preemptions,
+            "recomputed_tokens": self.recomputed_tokens,
             "kv_length": self.kv_length_metric,  # read under the tick lock, by T4
             "backend": self.backend.name,
             "prefill_mode": self.config.prefill_mode,

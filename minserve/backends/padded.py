@@ -140,11 +140,11 @@ class PaddedBackend(Backend):
     def prefill_chunk(self, req: Request, start: int, end: int) -> torch.Tensor:
         cache = self.staging[req.request_id]
         assert cache.get_seq_length() == start, (cache.get_seq_length(), start)
-        ids = torch.tensor([req.prompt_token_ids[start:end]], device=self.device)  # (1, T)
+        ids = torch.tensor([req.prefill_token_ids[start:end]], device=self.device)  # (1, T)
         pos = torch.arange(start, end, device=self.device).unsqueeze(0)  # (1, T)
         out = self.model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1,
                          **{self.cache_arg: cache})
-        if end == req.prompt_len and self.storage is not None and self.block_manager is not None:
+        if end == req.prefill_len and self.storage is not None and self.block_manager is not None:
             self._store_prompt_blocks(req, cache)
         return out.logits[0, -1].float()  # (V,)
 
@@ -173,7 +173,7 @@ class PaddedBackend(Backend):
         mask = torch.zeros(B, W + T, dtype=torch.long, device=self.device)
         for i, (req, start, end) in enumerate(pieces):
             assert self.staging[req.request_id].get_seq_length() == start
-            ids[i, T - lens[i]:] = torch.tensor(req.prompt_token_ids[start:end])
+            ids[i, T - lens[i]:] = torch.tensor(req.prefill_token_ids[start:end])
             pos[i, T - lens[i]:] = torch.arange(start, end)
             mask[i, W - start:W] = 1
             mask[i, W + T - lens[i]:] = 1
@@ -196,7 +196,7 @@ class PaddedBackend(Backend):
             for layer, big in enumerate(batch.layers):
                 row.update(big.keys[i:i + 1, :, real], big.values[i:i + 1, :, real], layer)
             self.staging[req.request_id] = row
-            final = end == req.prompt_len
+            final = end == req.prefill_len
             if final and self.storage is not None and self.block_manager is not None:
                 self._store_prompt_blocks(req, row)
             results.append(logits[i] if final else None)

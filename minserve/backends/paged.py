@@ -267,9 +267,9 @@ class PagedBackend(Backend):
             raise ValueError(f"row {rid!r} is already in the paged backend")
         if not self.block_manager.has_seq(rid):
             raise ValueError(f"row {rid!r} has no block table; allocate_prompt comes first")
-        if not 0 <= req.num_cached_tokens < req.prompt_len:  # K2: the last token is computed
+        if not 0 <= req.num_cached_tokens < req.prefill_len:  # K2: the last token is computed
             raise ValueError(f"num_cached_tokens={req.num_cached_tokens} for a prompt of "
-                             f"{req.prompt_len} tokens")
+                             f"{req.prefill_len} tokens")
         self.staging[rid] = req.num_cached_tokens
 
     def _staged(self, req: Request) -> int:
@@ -279,10 +279,10 @@ class PagedBackend(Backend):
 
     def prefill_chunk(self, req: Request, start: int, end: int) -> torch.Tensor:
         held = self._staged(req)
-        if start != held or not start < end <= req.prompt_len:
+        if start != held or not start < end <= req.prefill_len:
             raise ValueError(f"row {req.request_id!r} holds {held} tokens; cannot prefill "
-                             f"{start}..{end} of a {req.prompt_len}-token prompt")
-        ids = torch.tensor([req.prompt_token_ids[start:end]], device=self.device)  # (1, T)
+                             f"{start}..{end} of a {req.prefill_len}-token prompt")
+        ids = torch.tensor([req.prefill_token_ids[start:end]], device=self.device)  # (1, T)
         pos = torch.arange(start, end, device=self.device).unsqueeze(0)  # (1, T)
         logits = self._forward(ids, pos, [self.block_manager.block_table(req.request_id)])
         self.staging[req.request_id] = end
@@ -294,8 +294,8 @@ class PagedBackend(Backend):
 
     def promote(self, req: Request) -> None:
         held = self._staged(req)
-        if held != req.prompt_len:
-            raise ValueError(f"row {req.request_id!r} holds {held} of {req.prompt_len} prompt tokens")
+        if held != req.prefill_len:
+            raise ValueError(f"row {req.request_id!r} holds {held} of {req.prefill_len} prompt tokens")
         self.rows[req.request_id] = self.staging.pop(req.request_id)
 
     # --- decode side -------------------------------------------------------------------
@@ -354,13 +354,13 @@ class PagedBackend(Backend):
         for i in order:  # equal chunk lengths side by side: one group each
             req, start, end = chunks[i]
             held = self._staged(req)
-            if start != held or not start < end <= req.prompt_len:
+            if start != held or not start < end <= req.prefill_len:
                 raise ValueError(f"row {req.request_id!r} holds {held} tokens; cannot prefill "
-                                 f"{start}..{end} of a {req.prompt_len}-token prompt")
+                                 f"{start}..{end} of a {req.prefill_len}-token prompt")
             rows.append((self.block_manager.block_table(req.request_id), start, end - start))
-            ids.extend(req.prompt_token_ids[start:end])
+            ids.extend(req.prefill_token_ids[start:end])
             positions.extend(range(start, end))
-            if end == req.prompt_len:
+            if end == req.prefill_len:
                 final_at[i] = len(keep)
                 keep.append(len(ids) - 1)
         if not rows:

@@ -31,7 +31,7 @@ import time
 import typing
 from typing import Any
 
-from ..config import BACKENDS, DTYPES, POLICIES, EngineConfig, PrefillMode
+from ..config import ADMISSIONS, BACKENDS, DTYPES, POLICIES, EngineConfig, PrefillMode
 from .limits import ServerLimits
 
 # What a server shared by several users needs over EngineConfig's defaults (which suit a
@@ -40,7 +40,7 @@ from .limits import ServerLimits
 # measures the stall both ways (docs/benchmarks.md); `--prefill-chunk-size 0` restores
 # monolithic prefill. The chat demo (app.py) starts from these too.
 SERVING_DEFAULTS: dict[str, Any] = {"prefill_chunk_size": 256}
-CHOICES = {"policy": POLICIES, "backend": BACKENDS, "dtype": DTYPES,
+CHOICES = {"policy": POLICIES, "backend": BACKENDS, "dtype": DTYPES, "admission": ADMISSIONS,
            "prefill_mode": tuple(m.value for m in PrefillMode)}
 SERVER_ENV = {"host": "MINSERVE_HOST", "port": "MINSERVE_PORT", "api_key": "MINSERVE_API_KEY"}
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
