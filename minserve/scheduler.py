@@ -56,6 +56,9 @@ class Scheduler:
         self.block_manager = block_manager  # KV blocks + prefix cache (kv_cache.py), or None
         self.kv_budget_tokens = kv_budget_tokens
         self.sampler = Sampler()
+        # The gate functions (gates.py). An attribute, not the module global, so that a lab
+        # can plug a student's gates into one engine without touching any other.
+        self.gates = gates
         self.prefilling: list[Request] = []  # Q2, in admission order
         self.active: list[Request] = []  # Q3, the decode batch
         self.requests: dict[str, Request] = {}  # every request not yet finished
@@ -81,7 +84,7 @@ class Scheduler:
     def submit(self, req: Request) -> Rejection | None:
         """Gate G1 then enqueue. Returns the rejection (and finishes the request) if refused."""
         with self.queue_lock:
-            rejection = gates.check_queue_capacity(len(self.policy), self.config.max_queue_size)
+            rejection = self.gates.check_queue_capacity(len(self.policy), self.config.max_queue_size)
             if rejection is not None:
                 self.kv_admit_blocked["G1"] += 1
                 self.rejected["G1"] += 1
@@ -186,7 +189,7 @@ class Scheduler:
         """The head's verdict: a hard reject first (it can never fit: refuse it at once,
         never hold it behind a full batch or another gate's soft hold, G4), then the
         soft holds: G2's reservation, a batch row, G3's free blocks."""
-        g2 = gates.check_kv_budget(req.kv_need, self.active_kv_reserved, self.kv_budget_tokens)
+        g2 = self.gates.check_kv_budget(req.kv_need, self.active_kv_reserved, self.kv_budget_tokens)
         g3 = None
         if self.block_manager is not None:
             bm = self.block_manager
@@ -196,7 +199,7 @@ class Scheduler:
             # blocks mid-flight (no preemption needed, P6). The padded backend's
             # decode KV lives outside the pool; only its prompt blocks are pooled.
             tokens = req.kv_need if self._kv_grows_in_pool else req.prompt_len
-            g3 = gates.check_block_pool(
+            g3 = self.gates.check_block_pool(
                 blocks_needed=bm.blocks_needed(req.prompt_token_ids, tokens),
                 free_blocks=bm.num_free_blocks() - self._promised_blocks(),
                 prompt_blocks=bm.num_blocks_for(tokens), num_blocks=bm.num_blocks)
@@ -204,7 +207,7 @@ class Scheduler:
             if r is not None and r.hard:
                 return r
         rows = len(self.prefilling) + len(self.active)
-        return g2 or gates.batch_slot_hold(rows, self.config.max_batch_size) or g3
+        return g2 or self.gates.batch_slot_hold(rows, self.config.max_batch_size) or g3
 
     def _session_cap(self, req: Request) -> Rejection | None:
         """`max_rows_per_session`: a session that holds that many rows (prefilling or
@@ -213,7 +216,7 @@ class Scheduler:
         if cap is None:
             return None
         rows = sum(r.session_id == req.session_id for r in self.prefilling + self.active)
-        return gates.session_cap_hold(req.session_id, rows, cap)
+        return self.gates.session_cap_hold(req.session_id, rows, cap)
 
     @property
     def _kv_grows_in_pool(self) -> bool:
