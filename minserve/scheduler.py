@@ -284,9 +284,7 @@ class Scheduler:
             for req in list(self.prefilling):
                 if req.cancel_requested:
                     continue  # T3 evicts it
-                start = req.num_computed_prompt_tokens
-                end = req.prompt_len if chunk_size is None else min(req.prompt_len,
-                                                                      start + chunk_size)
+                start, end = self.next_chunk(req, chunk_size)
                 if mode is PrefillMode.MIXED_BATCH:  # T4 runs it, in the decode forward
                     chunk = {"request_id": req.request_id, "start": start, "end": end,
                              "final": end == req.prompt_len, "first_token": None,
@@ -301,6 +299,15 @@ class Scheduler:
             for req, start, end in pieces:  # one forward per piece
                 self._record_piece(rec, req, self._prefill_piece, start, end)
         return rec
+
+    @staticmethod
+    def next_chunk(req: Request, chunk_size: int | None) -> tuple[int, int]:
+        """This tick's piece of `req`'s prompt, `(start, end)`: it starts where the row's
+        KV ends and takes at most `chunk_size` tokens (None: the whole rest). A seam:
+        a lab plugs a student's schedule in by setting it on one scheduler."""
+        start = req.num_computed_prompt_tokens
+        end = req.prompt_len if chunk_size is None else min(req.prompt_len, start + chunk_size)
+        return start, end
 
     def _record_piece(self, rec: PrefillRecord, req: Request, run, *args) -> None:
         """`run(req, *args)` pushes one row's piece (and returns its chunk record): record
