@@ -13,7 +13,7 @@ TORCH   ?= torch==2.13.0
 ARGS    ?=
 NB_PORT ?= 8888
 
-.PHONY: setup browser demo demo-cli serve notebooks test test-fast screenshots lint clean
+.PHONY: setup browser demo demo-cli serve notebooks test test-fast screenshots lint clean labs lab-check
 
 setup: $(STAMP)
 
@@ -54,6 +54,12 @@ test-fast: setup      # tiny models only: no real-model tests, no real-model not
 screenshots: setup browser  # refresh docs/img: the chat demo's and the notebooks' figures
 	MINSERVE_SCREENSHOT_DIR=docs/img $(BIN)/python -m pytest -q tests/test_app_browser.py
 	$(BIN)/python scripts/screenshots.py
+
+labs: setup          # otter assign: student versions + autograders into build/labs (docs/teaching.md)
+	$(BIN)/python scripts/labs.py build
+
+lab-check: setup     # every solution passes all checks; every student version, stubs as shipped, fails them
+	$(BIN)/python -m pytest -q tests/test_labs.py
 
 lint: setup
 	$(BIN)/ruff check minserve tests app.py

@@ -68,6 +68,9 @@ class Scheduler:
         self.block_manager = block_manager  # KV blocks + prefix cache (kv_cache.py), or None
         self.kv_budget_tokens = kv_budget_tokens
         self.sampler = Sampler()
+        # The gate functions (gates.py). An attribute, not the module global, so that a lab
+        # can plug a student's gates into one engine without touching any other.
+        self.gates = gates
         self.prefilling: list[Request] = []  # Q2, in admission order
         self.active: list[Request] = []  # Q3, the decode batch
         self.requests: dict[str, Request] = {}  # every request not yet finished
@@ -95,7 +98,7 @@ class Scheduler:
     def submit(self, req: Request) -> Rejection | None:
         """Gate G1 then enqueue. Returns the rejection (and finishes the request) if refused."""
         with self.queue_lock:
-            rejection = gates.check_queue_capacity(len(self.policy), self.config.max_queue_size)
+            rejection = self.gates.check_queue_capacity(len(self.policy), self.config.max_queue_size)
             if rejection is not None:
                 self.kv_admit_blocked["G1"] += 1
                 self.rejected["G1"] += 1
@@ -212,7 +215,9 @@ class Scheduler:
         preempt = self.preempting
         need = req.prefill_len + 1 if preempt else req.kv_need
         reserved = self.active_kv_reserved + (self._decode_growth() if preempt else 0)
-        g2 = gates.check_kv_budget(need, reserved, self.kv_budget_tokens, whole=req.kv_need)
+        # (`whole` only when preempting: a lab's student gate takes the three numbers)
+        g2 = self.gates.check_kv_budget(need, reserved, self.kv_budget_tokens,
+                                        **({"whole": req.kv_need} if preempt else {}))
         g3 = None
         if self.block_manager is not None:
             bm = self.block_manager
@@ -227,7 +232,7 @@ class Scheduler:
             tokens = (need if preempt else req.kv_need) if grows else req.prefill_len
             whole = req.kv_need if grows else req.prompt_len
             taken = self._decode_growth_blocks() if preempt else self._promised_blocks()
-            g3 = gates.check_block_pool(
+            g3 = self.gates.check_block_pool(
                 blocks_needed=bm.blocks_needed(req.prefill_token_ids, tokens),
                 free_blocks=bm.num_free_blocks() - taken,
                 prompt_blocks=bm.num_blocks_for(whole), num_blocks=bm.num_blocks)
@@ -235,7 +240,7 @@ class Scheduler:
             if r is not None and r.hard:
                 return r
         rows = len(self.prefilling) + len(self.active)
-        return g2 or gates.batch_slot_hold(rows, self.config.max_batch_size) or g3
+        return g2 or self.gates.batch_slot_hold(rows, self.config.max_batch_size) or g3
 
     def _session_cap(self, req: Request) -> Rejection | None:
         """`max_rows_per_session`: a session that holds that many rows (prefilling or
@@ -244,7 +249,7 @@ class Scheduler:
         if cap is None:
             return None
         rows = sum(r.session_id == req.session_id for r in self.prefilling + self.active)
-        return gates.session_cap_hold(req.session_id, rows, cap)
+        return self.gates.session_cap_hold(req.session_id, rows, cap)
 
     @property
     def _kv_grows_in_pool(self) -> bool:
@@ -336,9 +341,7 @@ class Scheduler:
             for req in list(self.prefilling):
                 if req.cancel_requested:
                     continue  # T3 evicts it
-                start = req.num_computed_prompt_tokens
-                end = req.prefill_len if chunk_size is None else min(req.prefill_len,
-                                                                       start + chunk_size)
+                start, end = self.next_chunk(req, chunk_size)
                 if mode is PrefillMode.MIXED_BATCH:  # T4 runs it, in the decode forward
                     chunk = {"request_id": req.request_id, "start": start, "end": end,
                              "final": end == req.prefill_len, "first_token": None,
@@ -353,6 +356,16 @@ class Scheduler:
             for req, start, end in pieces:  # one forward per piece
                 self._record_piece(rec, req, self._prefill_piece, start, end)
         return rec
+
+    @staticmethod
+    def next_chunk(req: Request, chunk_size: int | None) -> tuple[int, int]:
+        """This tick's piece of `req`'s prompt, `(start, end)`: it starts where the row's
+        KV ends and takes at most `chunk_size` tokens (None: the whole rest). A seam:
+        a lab plugs a student's schedule in by setting it on one scheduler. (After a
+        preemption the "prompt" to prefill is `prefill_token_ids`: prompt + outputs.)"""
+        start = req.num_computed_prompt_tokens
+        end = req.prefill_len if chunk_size is None else min(req.prefill_len, start + chunk_size)
+        return start, end
 
     def _record_piece(self, rec: PrefillRecord, req: Request, run, *args) -> None:
         """`run(req, *args)` pushes one row's piece (and returns its chunk record): record

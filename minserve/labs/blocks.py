@@ -1,0 +1,121 @@
+"""Lab 5: the block manager (SPEC K1-K3). The student subclasses `BlockManager` and writes
+its three decisions: which blocks of a prompt are already cached (the chained-hash walk),
+which block to take for new content (free first, else evict the least recently used
+cached one), and what `free` does to reference counts. The lab manager then replaces the
+engine's in the paged backend, whose KV *is* the block pool."""
+
+from __future__ import annotations
+
+from ..engine import Engine
+from ..kv_cache import NoFreeBlocksError
+from ..sampling import SamplingParams
+from .common import drain, fail, reference_tokens, student, tiny_engine
+
+WHERE = ("your BlockManagerLab methods; compare minserve/kv_cache.py BlockManager "
+         "(_cached_blocks, _take_block, free) and docs/kv_cache.md")
+
+
+def use_block_manager(engine: Engine, cls) -> Engine:
+    """Replace a fresh engine's block manager with `cls(num_blocks, block_size, prefix)`."""
+    if engine.scheduler.has_work():
+        raise ValueError("plug a block manager in before submitting anything")
+    old = engine.block_manager
+    bm = student(cls, old.num_blocks, old.block_size, old.enable_prefix_caching,
+                 name="BlockManagerLab()", where=WHERE)
+    engine.block_manager = engine.scheduler.block_manager = bm
+    engine.scheduler.backend.block_manager = bm
+    return engine
+
+
+def _bm(cls, num_blocks=10, block_size=4):
+    return student(cls, num_blocks, block_size, True, name="BlockManagerLab()", where=WHERE)
+
+
+def _call(bm, method, *args):
+    return student(getattr(bm, method), *args, name=f"BlockManagerLab.{method}", where=WHERE)
+
+
+def check_prefix_reuse(cls) -> None:
+    """Computed full blocks are shared by an equal prefix (ref counts), never after a
+    different prefix (the chain), and the block with the last token is always computed (K2)."""
+    bm = _bm(cls)
+    sys_prompt = list(range(1, 9))  # two full blocks of 4
+    a = sys_prompt + [20, 21, 22]
+    if _call(bm, "allocate_prompt", "a", a) != 0:
+        fail("the very first prompt found cached tokens in an empty pool",
+             f"BlockManagerLab._cached_blocks; {WHERE}")
+    bm.mark_computed("a", a, len(a))
+    hit = _call(bm, "allocate_prompt", "b", sys_prompt + [30, 31])
+    if hit != 8:
+        fail(f"a prompt starting with the same 8 tokens (2 computed full blocks) reused {hit} "
+             "cached tokens, expected 8", f"BlockManagerLab._cached_blocks; {WHERE}")
+    shared = bm.block_table("a")[:2]
+    if bm.block_table("b")[:2] != shared or [bm.blocks[i].ref_count for i in shared] != [2, 2]:
+        fail(f"b should share a's first two blocks {shared} with ref_count 2 each; b's table is "
+             f"{bm.block_table('b')}, ref counts {[bm.blocks[i].ref_count for i in shared]}",
+             f"BlockManagerLab._cached_blocks / allocate_prompt; {WHERE}")
+    other = [99, 98, 97, 96] + sys_prompt[4:8] + [5]
+    if _call(bm, "allocate_prompt", "c", other) != 0:
+        fail("a prompt whose SECOND block equals a cached block, after a different first block, "
+             "reused it: the hash must chain the parent's hash (the same tokens after a "
+             "different prefix have different KV)", f"BlockManagerLab._cached_blocks; {WHERE}")
+    if _call(bm, "cached_prefix_len", sys_prompt) != 4:
+        fail(f"a prompt that IS the two cached blocks reuses {bm.cached_prefix_len(sys_prompt)} "
+             "tokens, expected 4: the block holding the last token is always computed, so there "
+             "are logits to sample from (K2)", f"BlockManagerLab._cached_blocks; {WHERE}")
+
+
+def check_free_and_lru(cls) -> None:
+    """free: ref_count - 1; a hashed block at 0 becomes cached (evictable, LRU order), an
+    unhashed one free. _take_block: the free list first, then the least recently used cached
+    block, back to front within a table (a chain's tail goes before its head)."""
+    bm = _bm(cls, num_blocks=4, block_size=2)
+    _call(bm, "allocate_prompt", "a", [1, 2, 3, 4, 5])  # 3 blocks: 2 full + 1 partial
+    bm.mark_computed("a", [1, 2, 3, 4, 5], 5)
+    table = bm.block_table("a")
+    _call(bm, "free", "a")
+    states = [(bm.blocks[b].ref_count, bm.blocks[b].block_hash is not None) for b in table]
+    if states != [(0, True), (0, True), (0, False)] or bm.num_free_blocks() != 4:
+        fail(f"after freeing a (2 computed full blocks + 1 partial) its blocks are "
+             f"(ref_count, hashed) = {states} with {bm.num_free_blocks()} free; expected the full "
+             "blocks cached (ref 0, hash kept) and the partial one free",
+             f"BlockManagerLab.free; {WHERE}")
+    _call(bm, "allocate_prompt", "b", [7, 8, 9, 10, 11, 12])  # 3 new blocks: 2 free, then evict 1
+    if bm.evictions != 1 or bm.blocks[table[1]].block_hash is not None \
+            or bm.blocks[table[0]].block_hash is None:
+        fail("with the free list empty, a new block must evict the least recently used cached "
+             f"block, the chain's tail first (block {table[1]}, not its head {table[0]}); "
+             f"evictions={bm.evictions}", f"BlockManagerLab._take_block / free; {WHERE}")
+    try:
+        bm.allocate_prompt("c", list(range(50, 60)))
+    except NoFreeBlocksError:
+        pass
+    else:
+        fail("allocating more blocks than the pool has did not raise NoFreeBlocksError",
+             f"BlockManagerLab._take_block; {WHERE}")
+    bm.check_invariants()
+
+
+SYSTEM = list(range(40, 72))  # a 32-token system prompt: 2 blocks of 16
+
+
+def check_in_engine(cls, questions=((1, 2, 3), (4, 5), (6, 7, 8, 9), (10,)), max_tokens=5) -> dict:
+    """Requests sharing a system prompt, on the paged backend with the lab's block manager:
+    the later ones reuse its blocks, every token equals a stock engine's, and the pool's
+    invariants hold after every tick. Returns the block stats."""
+    engine = use_block_manager(tiny_engine(backend="paged", max_batch_size=2, num_blocks=24), cls)
+    plan = [(SYSTEM + list(q), max_tokens) for q in questions]
+    handles = [engine.submit(p, SamplingParams(max_tokens=n)) for p, n in plan]
+    drain(engine, WHERE)
+    stats = engine.block_manager.stats()
+    if stats["prefix_hit_tokens"] < 32 * (len(plan) - 2):
+        fail(f"{len(plan)} requests share a 32-token system prompt, batch of 2: at least the "
+             f"later {len(plan) - 2} should reuse its 2 blocks, but only "
+             f"{stats['prefix_hit_tokens']} tokens were hits", f"BlockManagerLab; {WHERE}")
+    ref = reference_tokens(plan, backend="paged", max_batch_size=2, num_blocks=24,
+                           enable_prefix_caching=False)
+    for h, want in zip(handles, ref):
+        if h.output.token_ids != want:
+            fail(f"{h.request_id} generated {h.output.token_ids}, without prefix caching it "
+                 f"gives {want}: a reused block held the wrong KV", f"BlockManagerLab; {WHERE}")
+    return stats

@@ -1,0 +1,110 @@
+"""Lab 7, the capstone: the student's own policy (shortest job first, deadline-aware, ...)
+scored with `minserve bench`'s workload generator, engine target and metrics, against
+FCFS and VTC, on a workload the student has not seen (the autograder's hidden test draws
+another one)."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+
+from ..bench.report import markdown_table
+from ..bench.targets import EngineTarget, RunResult
+from ..bench.workload import Workload, make_workload
+from ..fair import FairPolicy
+from ..policies import FCFSPolicy, Policy
+from ..sampling import SamplingParams
+from .common import drain, fail, make_req, student, tiny_engine
+from .fcfs import use_policy
+
+WHERE = "your MyPolicy class; the contract is in minserve/policies.py Policy and docs/policies.md"
+
+
+def workload(seed: int = 0, n: int = 32, sessions: str = "alice=3,bob=1,carol=1") -> Workload:
+    """Everyone at once (rate inf), mixed lengths, a heavy session: the policy decides."""
+    return make_workload(n, rate=math.inf, prompt_len="uniform:4:40", output_len="uniform:2:24",
+                         sessions=sessions, seed=seed, vocab=(1, 255))
+
+
+def check_contract(cls, seed: int = 0, n: int = 20) -> None:
+    """The hooks any policy must honour: every arrival comes out exactly once; peek is
+    stable and pick returns it; remove takes out exactly one; len and iter agree."""
+    rng = random.Random(seed)
+    reqs = [make_req(i, rng.choice("abc"), prompt=rng.randint(1, 30), out=rng.randint(1, 20),
+                     priority=rng.choice([0, 0, 0, 1])) for i in range(n)]
+    p = student(cls, name="MyPolicy()", where=WHERE)
+    for r in reqs:
+        student(p.on_request_arrived, r, name="on_request_arrived", where=WHERE)
+    listed = student(list, p, name="__iter__ (in the order of your key)", where=WHERE)
+    if len(p) != n or sorted(r.request_id for r in listed) != sorted(r.request_id for r in reqs):
+        fail(f"after {n} arrivals len() is {len(p)} and iter() lists "
+             f"{len(listed)} requests: both must describe exactly the waiting requests",
+             f"MyPolicy.__len__ / __iter__; {WHERE}")
+    p.remove(reqs[3])
+    out = []
+    while len(p):
+        head = student(p.peek_next, name="peek_next", where=WHERE)
+        if head is None or head is not p.peek_next():
+            fail("peek_next returned None with requests waiting, or changed between two calls",
+                 f"MyPolicy.peek_next; {WHERE}")
+        picked = student(p.pick_next, name="pick_next", where=WHERE)
+        if picked is not head:
+            fail("pick_next did not return what peek_next returned", f"MyPolicy.pick_next; {WHERE}")
+        p.on_tokens_processed(picked, picked.prompt_len, 1)
+        out.append(picked.request_id)
+        if rng.random() < 0.5:
+            p.on_request_finished(picked)
+    want = sorted(r.request_id for r in reqs if r is not reqs[3])
+    if sorted(out) != want:
+        fail(f"the queue gave out {len(out)} requests, expected each of the {len(want)} left after "
+             "one remove exactly once", f"MyPolicy; {WHERE}")
+
+
+def serve_step_mode(cls, load: Workload, max_batch_size: int = 4) -> None:
+    """The workload in step mode, invariants checked every tick: every request must finish
+    with all its tokens within a bounded number of ticks."""
+    engine = use_policy(tiny_engine(max_batch_size=max_batch_size),
+                        student(cls, name="MyPolicy()", where=WHERE))
+    handles = [engine.submit(list(r.prompt_ids), SamplingParams(max_tokens=r.max_tokens,
+                                                                ignore_eos=True),
+                             session_id=r.session) for r in load.requests]
+    drain(engine, WHERE)
+    short = [h.request_id for h, r in zip(handles, load.requests)
+             if len(h.output.token_ids) != r.max_tokens]
+    if short:
+        fail(f"requests {short} did not get all their tokens under your policy", WHERE)
+
+
+def bench(policies: dict[str, Callable[[], Policy]], load: Workload,
+          max_batch_size: int = 4) -> list[RunResult]:
+    """`minserve bench`'s engine target, once per policy, each on a fresh tiny engine."""
+    runs = []
+    for name, make in policies.items():
+        engine = use_policy(tiny_engine(max_batch_size=max_batch_size), make())
+        engine.trace = None
+        run = EngineTarget(engine).run(load, progress=False)
+        run.target = name
+        runs.append(run)
+    return runs
+
+
+def score(cls, seed: int = 0, sessions: str = "alice=3,bob=1,carol=1") -> list[RunResult]:
+    """The student's policy against FCFS and VTC on one workload; every request must complete
+    with all its tokens. Returns the three runs (fcfs, vtc, mine)."""
+    load = workload(seed, sessions=sessions)
+    check_contract(cls, seed)
+    serve_step_mode(cls, load)  # a broken policy fails here, tick by tick, never hangs the bench
+    runs = bench({"fcfs": FCFSPolicy, "vtc": FairPolicy,
+                  "mine": lambda: student(cls, name="MyPolicy()", where=WHERE)}, load)
+    mine = runs[-1]
+    bad = [r for r in mine.results if not r.ok or r.output_len != r.max_tokens]
+    if bad:
+        fail(f"on the workload (seed {seed}) {len(bad)} of {len(mine.results)} requests did not "
+             f"complete with all their tokens under your policy (first: {bad[0].to_dict()}); "
+             f"the engine's last error: {mine.info['engine_stats'].get('last_error')}", WHERE)
+    return runs
+
+
+def table(runs: list[RunResult]) -> str:
+    return markdown_table(runs, baseline="fcfs")

@@ -1,0 +1,114 @@
+"""Lab 2: the gates G1, G2, G3 (SPEC G1-G6). The student's three functions replace
+`minserve/gates.py`'s in one engine (`Scheduler.gates`); the scheduler keeps calling them
+at the same points, with the same numbers."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from .. import gates as core_gates
+from ..engine import Engine
+from ..request import Rejection
+from ..sampling import SamplingParams
+from .common import drain, fail, student, tiny_engine
+
+WHERE = "your gate functions; compare minserve/gates.py and the table in docs/gates.md"
+NAMES = ("check_queue_capacity", "check_kv_budget", "check_block_pool")
+
+
+def use_gates(engine: Engine, **fns) -> Engine:
+    """Plug the student's gate functions into this engine only; the rest stay minserve's."""
+    unknown = set(fns) - set(NAMES)
+    if unknown:
+        raise ValueError(f"not a gate: {sorted(unknown)}; use {NAMES}")
+    table = {name: getattr(core_gates, name) for name in dir(core_gates) if not name.startswith("_")}
+    engine.scheduler.gates = SimpleNamespace(**{**table, **fns})
+    return engine
+
+
+def _verdict(fn, name: str, args: dict, expect: tuple[str, str, bool] | None) -> None:
+    """Call a gate; compare with (gate, reason, hard) or None (pass)."""
+    got = student(fn, name=name, where=WHERE, **args)
+    call = f"{name}({', '.join(f'{k}={v}' for k, v in args.items())})"
+    if expect is None:
+        if got is not None:
+            fail(f"{call} returned {got!r}; it should pass (None): the request fits",
+                 f"{name}; {WHERE}")
+        return
+    gate, reason, hard = expect
+    if not isinstance(got, Rejection):
+        fail(f"{call} returned {got!r}; expected a Rejection(gate={gate!r}, reason={reason!r}, "
+             f"hard={hard})", f"{name}; {WHERE}")
+    if (got.gate, got.reason, got.hard) != expect:
+        fail(f"{call} returned gate={got.gate!r}, reason={got.reason!r}, hard={got.hard}; "
+             f"expected gate={gate!r}, reason={reason!r}, hard={hard} "
+             f"({'refuse: it can never fit' if hard else 'hold: it fits once room opens'})",
+             f"{name}; {WHERE}")
+    missing = [k for k, v in args.items() if got.numbers.get(k) != v]
+    if missing or not got.message:
+        fail(f"{call}: the rejection must carry a message and the numbers that decided it "
+             f"(G6); numbers={got.numbers!r} lacks {missing}", f"{name}; {WHERE}")
+
+
+def check_g1(fn) -> None:
+    _verdict(fn, "check_queue_capacity", {"pending": 3, "max_queue_size": 3}, ("G1", "queue_full", True))
+    _verdict(fn, "check_queue_capacity", {"pending": 2, "max_queue_size": 3}, None)
+
+
+def check_g2(fn) -> None:
+    name = "check_kv_budget"
+    _verdict(fn, name, {"need": 50, "reserved": 0, "budget": 40}, ("G2", "kv_budget_exceeded", True))
+    _verdict(fn, name, {"need": 10, "reserved": 36, "budget": 40}, ("G2", "kv_budget", False))
+    _verdict(fn, name, {"need": 4, "reserved": 36, "budget": 40}, None)
+    # a hard reject wins even when the reservation is full too
+    _verdict(fn, name, {"need": 41, "reserved": 39, "budget": 40}, ("G2", "kv_budget_exceeded", True))
+
+
+def check_g3(fn) -> None:
+    name = "check_block_pool"
+    _verdict(fn, name, {"blocks_needed": 8, "free_blocks": 6, "prompt_blocks": 8, "num_blocks": 6},
+             ("G3", "prompt_exceeds_block_pool", True))
+    _verdict(fn, name, {"blocks_needed": 3, "free_blocks": 0, "prompt_blocks": 3, "num_blocks": 6},
+             ("G3", "block_pool", False))
+    _verdict(fn, name, {"blocks_needed": 2, "free_blocks": 2, "prompt_blocks": 3, "num_blocks": 6}, None)
+
+
+def gate_story(g1, g2, g3, budget: int = 40, sizes=((12, 8), (10, 6), (6, 4), (40, 10))) -> list[dict]:
+    """docs/gates.md's G2 story in a real engine with the student's gates: requests of
+    (prompt, max_tokens) `sizes` into a KV budget of `budget` tokens. Returns the events."""
+    engine = use_gates(tiny_engine(max_batch_size=4, kv_budget_tokens=budget, max_queue_size=4,
+                                   enable_prefix_caching=False),
+                       check_queue_capacity=g1, check_kv_budget=g2, check_block_pool=g3)
+    handles = [student(engine.submit, list(range(10 * i + 1, 10 * i + 1 + p)),
+                       SamplingParams(max_tokens=n), name="a gate (called by submit)", where=WHERE)
+               for i, (p, n) in enumerate(sizes)]
+    extra = student(engine.submit, [5, 6, 7], SamplingParams(max_tokens=2),  # full queue: G1
+                    name="check_queue_capacity (called by submit)", where=WHERE)
+    drain(engine, WHERE)
+    events = []
+    for rec in engine.trace:
+        if rec.admit.held:
+            r = rec.admit.held["rejection"]
+            events.append({"tick": rec.tick, "held": rec.admit.held["request_id"], "gate": r["gate"]})
+        for x in rec.admit.rejected:
+            events.append({"tick": rec.tick, "refused": x["request_id"], "gate": x["rejection"]["gate"]})
+    if extra.output.finish_reason != "error" or (extra.output.rejection or {}).get("gate") != "G1":
+        fail("a fifth request submitted to a full queue (max_queue_size=4) was not refused by "
+             "G1 at submit", f"check_queue_capacity; {WHERE}")
+    return check_story(engine, handles, events)
+
+
+def check_story(engine, handles, events) -> list[dict]:
+    held = [e for e in events if "held" in e]
+    refused = [e for e in events if "refused" in e]
+    third, fourth = handles[2].request_id, handles[3].request_id
+    if not any(e["held"] == third and e["gate"] == "G2" for e in held):
+        fail(f"{third} needs 10 tokens while 20 + 16 of the 40 are reserved: G2 should hold it "
+             f"(soft) until a running request finishes; holds seen: {held}",
+             f"check_kv_budget; {WHERE}")
+    if [(e["refused"], e["gate"]) for e in refused] != [(fourth, "G2")]:
+        fail(f"{fourth} needs 50 tokens of a 40-token budget: G2 should refuse it (hard), and "
+             f"nothing else; refusals seen: {refused}", f"check_kv_budget; {WHERE}")
+    if any(h.output.finish_reason == "error" for h in handles[:3]):
+        fail("a request that fits was refused", WHERE)
+    return events

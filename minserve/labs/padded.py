@@ -1,0 +1,181 @@
+"""Lab 4: the padded batch's bookkeeping (SPEC R3, B2). The student writes three pure
+functions on the attention mask; `LabPaddedBackend` is `PaddedBackend` with its
+splice-in, removal and position ids routed through them, so the real engine runs on them.
+
+    splice_in(mask (B, L), n, kv_length) -> (new mask (B+1, W), grow, row_pad)
+        grow: columns added on the left of the batch; row_pad: on the left of the new row
+    remove(mask (B, L), i, trim) -> (new mask (B-1, L'), keep: row indices kept, first: columns dropped)
+    next_positions(mask (B, L)) -> (B, 1) position id of each row's next token
+
+The check replays the mixed workload of `tests/test_padded_backend.py` with
+`trim_on_remove=False`: the longest row leaves first, so the mask is wider than
+`kv_length` when the next row splices in. Sizing the new mask from `kv_length` then
+concatenates tensors of different widths and the row dies: the crash the design records.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..backends.padded import PaddedBackend
+from ..engine import Engine
+from ..sampling import SamplingParams
+from .common import drain, fail, reference_tokens, student, tiny_engine
+
+WHERE = ("your splice_in / remove / next_positions; compare minserve/backends/padded.py "
+         "PaddedBackend.promote, remove_row, decode_step_batched and docs/backends.md (R3)")
+
+
+class LabPaddedBackend(PaddedBackend):
+    """PaddedBackend whose mask bookkeeping is three functions a student wrote."""
+
+    def __init__(self, model, splice_in, remove, next_positions, trim_on_remove: bool = False):
+        super().__init__(model, storage=None, trim_on_remove=trim_on_remove)
+        self.fns = {"splice_in": splice_in, "remove": remove, "next_positions": next_positions}
+        self.splices: list[tuple[int, int]] = []  # (mask width, kv_length) before each splice-in
+
+    def _call(self, name, *args):
+        return student(self.fns[name], *args, name=name, where=WHERE)
+
+    def promote(self, req) -> None:
+        if self.cache is None or not self.row_ids:
+            return super().promote(req)  # the first row: its own cache becomes the batch
+        row = self.staging.pop(req.request_id)
+        n = row.get_seq_length()
+        self.splices.append((self.width, self.kv_length))
+        mask, grow, row_pad = self._call("splice_in", self.mask, n, self.kv_length)
+        for big, small in zip(self.cache.layers, row.layers):  # (B, H_kv, L, D) per layer
+            big.keys = torch.cat([F.pad(big.keys, (0, 0, grow, 0)), F.pad(small.keys, (0, 0, row_pad, 0))])
+            big.values = torch.cat([F.pad(big.values, (0, 0, grow, 0)),
+                                    F.pad(small.values, (0, 0, row_pad, 0))])
+        self.mask = mask
+        self.row_ids.append(req.request_id)
+        self.check_invariants()
+
+    def remove_row(self, req) -> None:
+        if self.staging.pop(req.request_id, None) is not None or req.request_id not in self.row_ids:
+            return
+        i = self.row_ids.index(req.request_id)
+        self.row_ids.pop(i)
+        if not self.row_ids:
+            self.cache, self.mask = None, self.mask[:0, :0]
+            return
+        mask, keep, first = self._call("remove", self.mask, i, self.trim_on_remove)
+        idx = torch.tensor(list(keep), device=self.device)
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[idx, :, first:], layer.values[idx, :, first:]
+        self.mask = mask
+        self.check_invariants()
+
+    @torch.inference_mode()
+    def decode_step_batched(self, reqs, token_ids):
+        order = {rid: i for i, rid in enumerate(self.row_ids)}
+        col = torch.empty(len(reqs), 1, dtype=torch.long, device=self.device)  # (B, 1)
+        for r, t in zip(reqs, token_ids):
+            col[order[r.request_id], 0] = t
+        pos = self._call("next_positions", self.mask)  # (B, 1)
+        self.mask = torch.cat([self.mask, torch.ones_like(col)], dim=1)  # (B, L+1)
+        out = self.model(input_ids=col, attention_mask=self.mask, position_ids=pos,
+                         use_cache=True, **{self.cache_arg: self.cache})
+        logits = out.logits[:, -1].float()
+        self.check_invariants()
+        return logits[torch.tensor([order[r.request_id] for r in reqs], device=self.device)]
+
+
+def use_padded(engine: Engine, splice_in, remove, next_positions, trim_on_remove=False) -> Engine:
+    """Give a fresh padded engine (prefix caching off) a LabPaddedBackend."""
+    if engine.scheduler.has_work() or engine.config.backend != "padded":
+        raise ValueError("plug the lab backend into a fresh padded engine")
+    engine.scheduler.backend = LabPaddedBackend(engine.model, splice_in, remove, next_positions,
+                                                trim_on_remove)
+    return engine
+
+
+def check_shapes(splice_in, remove, next_positions) -> None:
+    """Small masks by hand: a wider batch, a longer new row, removal with and without trim."""
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    new, grow, pad = student(splice_in, mask, 2, 3, name="splice_in", where=WHERE)
+    if (grow, pad) != (0, 1) or new.tolist() != [[0, 1, 1], [1, 1, 1], [0, 1, 1]]:
+        fail(f"splice_in(mask=[[0,1,1],[1,1,1]], n=2) gave grow={grow}, row_pad={pad}, mask="
+             f"{new.tolist()}; expected grow=0, row_pad=1 and the new row left-padded to "
+             "[0,1,1]", f"splice_in; {WHERE}")
+    new, grow, pad = splice_in(mask, 5, 3)
+    if (grow, pad) != (2, 0) or new.tolist() != [[0, 0, 0, 1, 1], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]:
+        fail(f"splice_in(mask=[[0,1,1],[1,1,1]], n=5) gave grow={grow}, row_pad={pad}, mask="
+             f"{new.tolist()}; expected grow=2 (the batch is padded on the left), row_pad=0",
+             f"splice_in; {WHERE}")
+    pos = student(next_positions, torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]),
+                  name="next_positions", where=WHERE)
+    if torch.as_tensor(pos).tolist() != [[2], [4]]:
+        fail(f"next_positions([[0,0,1,1],[1,1,1,1]]) gave {torch.as_tensor(pos).tolist()}; expected "
+             "[[2],[4]]: a row's next position is its count of real tokens, not the column "
+             "index (rotary embeddings must see the positions the row would have alone)",
+             f"next_positions; {WHERE}")
+    wide = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1], [0, 1, 1, 1]])
+    for trim, want, first in ((True, [[0, 1, 1], [1, 1, 1]], 1), (False, [[0, 0, 1, 1], [0, 1, 1, 1]], 0)):
+        new, keep, f = student(remove, wide, 0, trim, name="remove", where=WHERE)
+        if list(keep) != [1, 2] or f != first or new.tolist() != want:
+            fail(f"remove(mask={wide.tolist()}, i=0, trim={trim}) gave mask={new.tolist()}, keep="
+                 f"{list(keep)}, first={f}; expected mask={want}, keep=[1, 2], first={first} "
+                 "(trim drops the leading columns that are padding in every remaining row)",
+                 f"remove; {WHERE}")
+
+
+# 0 is the longest prompt and leaves first (max_tokens 2); 3 and 4 splice in afterwards
+PLAN = [(list(range(1, 41)), 2), ([7, 8, 9, 10, 11], 12), (list(range(20, 30)), 12),
+        ([3, 4, 5], 6), (list(range(100, 120)), 5)]
+
+
+def check_mixed_workload(splice_in, remove, next_positions, plan=PLAN, trim=False) -> list:
+    """The mixed workload on the real engine with the lab backend; tokens must equal a stock
+    engine's (which equal HF generate on each prompt alone). Returns (width, kv_length) seen
+    before each splice-in."""
+    engine = use_padded(tiny_engine(max_batch_size=3, enable_prefix_caching=False),
+                        splice_in, remove, next_positions, trim_on_remove=trim)
+    backend = engine.scheduler.backend
+    handles = [engine.submit(p, SamplingParams(max_tokens=n)) for p, n in plan]
+    try:
+        drain(engine, WHERE)
+    except AssertionError as e:
+        wider = [(w, k) for w, k in backend.splices if w > k]
+        hint = ""
+        if wider and "Sizes of tensors" in str(e):
+            w, k = wider[-1]
+            hint = (f"\n    This is the mixed-workload crash (R3): the longest row had left, so the "
+                    f"mask was {w} columns wide but kv_length was {k}; a splice-in sized from "
+                    "kv_length builds a new row of the wrong width. Size it from mask.shape[1].")
+        raise type(e)(str(e) + hint) from None
+    ref = reference_tokens(plan, max_batch_size=3, enable_prefix_caching=False)
+    for h, want in zip(handles, ref):
+        if h.output.token_ids != want:
+            first = next(i for i, (a, b) in enumerate(zip(h.output.token_ids, want)) if a != b)
+            fail(f"{h.request_id} generated {h.output.token_ids}, HF generate on its prompt "
+                 f"alone gives {want} (first difference at output token {first}): the mask or "
+                 "the position ids of a batched row are off", f"next_positions / splice_in; {WHERE}")
+    return backend.splices
+
+
+def kv_length_splice_in(mask, n, kv_length):
+    """The version that crashed the worker: the batch's width taken from kv_length (R3)."""
+    width = kv_length  # the bug: kv_length is the longest row's REAL KV, not the mask's width
+    grow, row_pad = max(0, n - width), max(0, width - n)
+    new_row = F.pad(torch.ones(1, n, dtype=mask.dtype, device=mask.device), (row_pad, 0))
+    return torch.cat([F.pad(mask, (grow, 0)), new_row]), grow, row_pad
+
+
+
+def reference_remove(mask, i, trim):
+    """Removal as PaddedBackend.remove_row does it (for the crash demo)."""
+    keep = [j for j in range(mask.shape[0]) if j != i]
+    mask = mask[keep]
+    first = 0
+    if trim:
+        real = mask.sum(dim=0).nonzero()
+        first = int(real[0]) if len(real) else mask.shape[1]
+    return mask[:, first:], keep, first
+
+
+def reference_positions(mask):
+    """Position ids as PaddedBackend.decode_step_batched derives them (for the crash demo)."""
+    return mask.sum(dim=1, keepdim=True)  # (B, 1)

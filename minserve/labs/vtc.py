@@ -1,0 +1,192 @@
+"""Lab 3: the fair policy, VTC (SPEC P2-P5). The student writes the charge (P3) and the
+counter lift (P4) of a one-tier VTC; the checks call the hooks, then check the 2U bound
+(P5) on random traces in a small simulated server, then put the policy in a real engine.
+
+The simulator is the one of `tests/test_policies.py`, kept small: each tick requests
+arrive, admission takes the head while a batch row is free and its `prompt + max_tokens`
+fits the KV budget (else the head waits, G2/G4), the whole prompt is charged at
+admission, every running row decodes one token, finished rows leave. The service W is
+metered by the simulator itself, independent of the policy's counters.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+from ..sampling import SamplingParams
+from .common import admission_order, drain, fail, make_req, student, tiny_engine
+from .fcfs import use_policy
+
+WHERE = ("your VTCLab hooks; compare minserve/fair.py FairPolicy.on_request_arrived / "
+         "on_tokens_processed and docs/policies.md (the lift, P4)")
+
+
+def check_charge(cls) -> None:
+    p = student(cls, 1.0, 2.0, name="VTCLab(w_in, w_out)", where=WHERE)
+    a = make_req(0, "alice", prompt=5, out=3)
+    student(p.on_request_arrived, a, name="on_request_arrived", where=WHERE)
+    student(p.pick_next, name="VTCLab.key (via pick_next)", where=WHERE)
+    student(p.on_tokens_processed, a, 5, 0, name="on_tokens_processed", where=WHERE)
+    p.on_tokens_processed(a, 0, 1)
+    p.on_tokens_processed(a, 0, 1)
+    if p.counters.get("alice") != 5 * 1.0 + 2 * 2.0:
+        fail(f"after 5 prompt tokens and 2 output tokens with w_in=1, w_out=2 alice's counter "
+             f"is {p.counters.get('alice')!r}, expected 9.0 (P3: w_in*prompt + w_out*output)",
+             f"VTCLab.on_tokens_processed; {WHERE}")
+
+
+def check_lift(cls) -> None:
+    """A newcomer starts at the least waiting counter, never 0 (no burst), and a session that
+    was served a lot keeps its debt (max, not =)."""
+    p = student(cls, 1.0, 2.0, name="VTCLab(w_in, w_out)", where=WHERE)
+    a = [make_req(i, "alice", prompt=10, out=5) for i in range(3)]
+    for r in a:
+        student(p.on_request_arrived, r, name="on_request_arrived", where=WHERE)
+    first = student(p.pick_next, name="VTCLab.key (via pick_next)", where=WHERE)
+    student(p.on_tokens_processed, first, 10, 5, name="on_tokens_processed", where=WHERE)
+    if p.counters["alice"] != 20.0:
+        fail(f"alice's counter is {p.counters['alice']} after 10 prompt + 5 output tokens, "
+             "expected 20 (w_in=1, w_out=2)", f"VTCLab.on_tokens_processed; {WHERE}")
+    bob = make_req(10, "bob", prompt=4, out=2)
+    p.on_request_arrived(bob)
+    if p.counters.get("bob") != 20.0:
+        fail(f"bob arrived while alice (counter 20) waits; his counter is "
+             f"{p.counters.get('bob')!r}, expected 20: lift a newcomer to the least counter "
+             "among sessions with requests *waiting* (at 0 he would take 20 tokens' worth of "
+             "turns ahead of alice: a burst)", f"VTCLab.on_request_arrived; {WHERE}")
+    carol = make_req(11, "carol")
+    p.counters["carol"] = 55.0  # carol was served a lot earlier
+    p.on_request_arrived(carol)
+    if p.counters["carol"] != 55.0:
+        fail(f"carol came back with counter 55 while the least waiting counter is 20; the lift "
+             f"set it to {p.counters['carol']}: use max(own, clock), so debt is kept",
+             f"VTCLab.on_request_arrived; {WHERE}")
+
+
+def check_empty_queue_lift(cls) -> None:
+    """Nobody waits: a newcomer is lifted to the current counter of the session that last
+    left the queue (VTC's Algorithm 2), so the clock never jumps back to 0."""
+    p = student(cls, 1.0, 2.0, name="VTCLab(w_in, w_out)", where=WHERE)
+    a = make_req(0, "alice", prompt=10, out=5)
+    student(p.on_request_arrived, a, name="on_request_arrived", where=WHERE)
+    student(p.pick_next, name="VTCLab.key (via pick_next)", where=WHERE)  # alice was the last to leave the queue ...
+    student(p.on_tokens_processed, a, 10, 5, name="on_tokens_processed", where=WHERE)
+    dave = make_req(1, "dave")  # ... and is charged 20 afterwards, while dave arrives
+    p.on_request_arrived(dave)
+    if p.counters.get("dave") != 20.0:
+        fail(f"dave arrived on an empty queue; his counter is {p.counters.get('dave')!r}, "
+             "expected 20, alice's counter *now* (she left the queue last: self.last_left); "
+             "at 0 he would get a catch-up burst over alice", f"VTCLab.on_request_arrived; {WHERE}")
+
+
+def simulate(policy, arrivals, max_batch_size: int, kv_budget: int, w_in: float, w_out: float):
+    """Snapshots (service, waiting sessions) of a miniature server; see the module docstring."""
+    service, queued = defaultdict(float), defaultdict(int)
+    running, reserved, tick, snaps = [], 0, 0, []
+    todo = sorted(arrivals, key=lambda a: (a[0], a[1].arrival_seq))
+
+    def snap():
+        snaps.append((dict(service), {s for s, n in queued.items() if n}))
+
+    while todo or len(policy) or running:
+        while todo and todo[0][0] <= tick:
+            req = todo.pop(0)[1]
+            policy.on_request_arrived(req)
+            queued[req.session_id] += 1
+        snap()
+        while len(running) < max_batch_size and (head := policy.peek_next()) is not None:
+            if reserved + head.kv_need > kv_budget:
+                break
+            policy.pick_next()
+            queued[head.session_id] -= 1
+            reserved += head.kv_need
+            running.append([head, 0])
+            policy.on_tokens_processed(head, head.prompt_len, 0)
+            service[head.session_id] += w_in * head.prompt_len
+            snap()
+        for row in running:
+            row[1] += 1
+            policy.on_tokens_processed(row[0], 0, 1)
+            service[row[0].session_id] += w_out
+            snap()
+        for row in [r for r in running if r[1] == r[0].max_tokens]:
+            running.remove(row)
+            reserved -= row[0].kv_need
+            policy.on_request_finished(row[0])
+        tick += 1
+        if tick > 50_000:
+            fail("the simulated server never drained: some request is never admitted",
+                 f"VTCLab.peek_next / pick_next; {WHERE}")
+    return snaps
+
+
+def worst_gap(snaps, a: str, b: str) -> float:
+    """Largest |W_a(t1,t2) - W_b(t1,t2)| over windows where both a and b wait throughout."""
+    gap, lo, hi = 0.0, None, None
+    for service, waiting in snaps:
+        if not {a, b} <= waiting:
+            lo = hi = None
+            continue
+        d = service.get(a, 0.0) - service.get(b, 0.0)
+        lo, hi = (d, d) if lo is None else (min(lo, d), max(hi, d))
+        gap = max(gap, hi - lo)
+    return gap
+
+
+def random_trace(rng: random.Random):
+    """Two heavy sessions backlogged from tick 0, one or two light ones in on/off bursts."""
+    max_prompt, max_out = rng.randint(1, 12), rng.randint(1, 8)
+    sessions = ["h0", "h1", "l0", "l1"][: rng.randint(2, 4)]
+    plan = [(0, s) for s in sessions[:2] for _ in range(rng.randint(8, 25))]
+    for s in sessions:
+        for _ in range(rng.randint(0 if s.startswith("h") else 1, 4)):
+            plan += [(rng.randint(0, 200), s)] * rng.randint(1, 6)
+    plan.sort(key=lambda a: a[0])
+    arrivals = [(t, make_req(i, s, prompt=rng.randint(1, max_prompt), out=rng.randint(1, max_out)))
+                for i, (t, s) in enumerate(plan)]
+    batch = rng.randint(1, 4)
+    kv_budget = rng.randint(max_prompt + max_out, batch * (max_prompt + max_out))
+    w_in, w_out = rng.choice([(1.0, 2.0), (1.0, 1.0), (0.5, 3.0), (0.0, 1.0)])
+    return arrivals, batch, kv_budget, w_in, w_out
+
+
+def check_bound(cls, seeds=range(40)) -> float:
+    """P5 on random traces: |W_h0 - W_h1| <= 2U over every window where both wait, with
+    U = max(w_in * longest prompt, w_out * M), M = min(kv_budget, batch * largest request).
+    Returns the largest gap seen as a fraction of 2U."""
+    worst = 0.0
+    for seed in seeds:
+        arrivals, batch, budget, w_in, w_out = random_trace(random.Random(seed))
+        policy = student(cls, w_in, w_out, name="VTCLab(w_in, w_out)", where=WHERE)
+        snaps = student(simulate, policy, arrivals, batch, budget, w_in, w_out,
+                        name="a VTCLab hook", where=WHERE)
+        reqs = [r for _, r in arrivals]
+        u = max(w_in * max(r.prompt_len for r in reqs),
+                w_out * min(budget, batch * max(r.kv_need for r in reqs)))
+        gap = worst_gap(snaps, "h0", "h1")
+        if gap > 2 * u + 1e-9:
+            fail(f"random trace seed={seed} (batch {batch}, kv_budget {budget}, w_in={w_in}, "
+                 f"w_out={w_out}): while h0 and h1 both waited their service differed by "
+                 f"{gap:g} > 2U = {2 * u:g}; the least-served session must go next (key) and "
+                 "every token must be charged", f"VTCLab.key / on_tokens_processed; {WHERE}")
+        worst = max(worst, gap / (2 * u) if u else 0.0)
+    return worst
+
+
+def check_in_engine(cls) -> list[str]:
+    """A heavy backlog (alice, 6 requests) then bob's one request, in a batch of 1 row: under
+    VTC bob is admitted second, not seventh. Returns the admission order."""
+    engine = use_policy(tiny_engine(max_batch_size=1), student(cls, 1.0, 2.0,
+                                                              name="VTCLab()", where=WHERE))
+    for i in range(6):
+        student(engine.submit, list(range(3 * i + 1, 3 * i + 7)), SamplingParams(max_tokens=3),
+                session_id="alice", name="on_request_arrived", where=WHERE)
+    bob = engine.submit([9, 8, 7, 6], SamplingParams(max_tokens=3), session_id="bob")
+    drain(engine, WHERE)
+    order = admission_order(engine.trace)
+    if order.index(bob.request_id) != 1:
+        fail(f"bob's one request was admitted at position {order.index(bob.request_id) + 1} of "
+             f"{len(order)} behind alice's backlog ({order}); under VTC he is the least served "
+             "and goes right after alice's first", WHERE)
+    return order
