@@ -232,6 +232,13 @@ class Engine:
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
 
+    def explain(self, request_id: str) -> dict[str, Any]:
+        """Where a request is and why (its queue, what holds it, with the numbers), as
+        data plus one `sentence` (explain.py)."""
+        from .explain import explain
+
+        return explain(self.scheduler, request_id)
+
     # ================================================================ serving mode
     @property
     def running(self) -> bool:

@@ -46,11 +46,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 from . import gates
 from .backends.base import Backend
 from .config import EngineConfig, PrefillMode
+from .explain import finished_summary
 from .policies import Policy
 from .records import AdmitRecord, DecodeRecord, EvictRecord, PrefillRecord, TickRecord
 from .request import FinishReason, Rejection, Request, RequestOutput, RequestStatus
@@ -60,6 +62,7 @@ log = logging.getLogger("minserve")
 
 
 class Scheduler:
+    RECENT = 1024  # finished requests `explain` still knows about
     def __init__(self, config: EngineConfig, backend: Backend, policy: Policy,
                  kv_budget_tokens: int, block_manager=None) -> None:
         self.config = config
@@ -90,6 +93,8 @@ class Scheduler:
         self.prompt_tokens_computed = 0
         self.preemptions = 0  # rows sent back to pending (admission="preempt")
         self.recomputed_tokens = 0  # tokens whose KV was computed again after a preemption
+        # what `explain` says about the newest finished requests (request id -> summary)
+        self.recent_finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.forwards: list[int] = []  # tokens in each model forward of the tick in progress
         self._planned: list[tuple[Request, dict[str, Any]]] = []  # mixed_batch: T2 -> T4
         self._planned_record = PrefillRecord()  # ... and the T2 record those chunks are in
@@ -657,6 +662,9 @@ class Scheduler:
         req.timing.finished = time.perf_counter()
         with self.queue_lock:
             self.requests.pop(req.request_id, None)
+            self.recent_finished[req.request_id] = finished_summary(req)
+            while len(self.recent_finished) > self.RECENT:
+                self.recent_finished.popitem(last=False)
             try:
                 if req.policy_running:  # the policy picked it: tell it it stopped
                     req.policy_running = False

@@ -350,3 +350,21 @@ def _up(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_a_waiting_user_is_told_why_instead_of_a_spinner(serve):
+    """Before its first token the chat bubble says where the request is and what holds
+    it (engine.explain), refreshed while it waits."""
+    engine, url, _ = serve(max_batch_size=1)
+    client = Client(url, verbose=False)
+    client.predict(1, 1, 512, 60, api_name="/flood_start")  # holds the only row
+    assert wait_for(lambda: engine.stats()["queues"]["active"] == 1)
+    job = client.submit("Hello there", [], 0.0, 8, api_name="/chat")
+    said = lambda: [reply_of(o) for o in job.outputs()]  # noqa: E731
+    assert wait_for(lambda: any("batch is full (1/1 rows)" in t for t in said())), said()
+    waiting = next(o for o in job.outputs() if "batch is full" in reply_of(o))
+    assert reply_of(waiting).startswith("⏳") and waiting[2].endswith("pending"), waiting
+    client.predict(api_name="/flood_stop")
+    final = job.result(timeout=120)
+    assert "batch is full" not in reply_of(final) and final[2].endswith("length"), final[2]
+    assert wait_for(engine.scheduler.is_drained)

@@ -22,6 +22,7 @@ like the rest of the package:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 import time
@@ -41,6 +42,7 @@ APP_DEFAULTS = {"policy": "fair", "max_queue_size": 64, "num_blocks": 256,
 FLOOD_DEFAULTS = {"total": 48, "in_flight": 24, "max_tokens": 128, "duration_s": 120.0}
 NOISY_SESSION = "noisy-neighbour"
 NOTICE = "⚠️ "  # starts every message the app (not the model) writes into the chat
+WAIT_POLL_S = 0.5  # how often a waiting chat re-reads why it waits (engine.explain)
 STOPPED = "■ *stopped*"  # appended to a reply the user stopped (■: in every common font; ⏹ is not)
 NOISY_PROMPTS = (
     "Write a very long, detailed essay about the history of the printing press.",
@@ -327,8 +329,25 @@ class ChatApp:
         history.append({"role": "assistant", "content": "…"})
         yield history, "", f"`{session}` · {handle.request_id} queued"
         reply = ""
+        events = handle.__aiter__()
+        nxt = None
         try:
-            async for ev in handle:
+            while True:
+                nxt = nxt or asyncio.ensure_future(anext(events))
+                # Until the first token, say every WAIT_POLL_S why it waits (the queue, the
+                # gate and its numbers: engine.explain) instead of a spinner.
+                done, _ = await asyncio.wait({nxt}, timeout=None if reply else WAIT_POLL_S)
+                if not done:
+                    why = await asyncio.to_thread(self.engine.explain, handle.request_id)
+                    if why["state"] in ("pending", "prefilling") and not reply:
+                        history[-1]["content"] = f"⏳ *{why['sentence']}*"
+                        yield history, "", f"`{session}` · {handle.request_id} {why['state']}"
+                    continue
+                try:
+                    ev = nxt.result()
+                except StopAsyncIteration:
+                    break
+                nxt = None
                 reply += ev.text
                 if ev.finish_reason is None:
                     if ev.text:
@@ -346,8 +365,13 @@ class ChatApp:
                 else:
                     history[-1]["content"] = reply
                 yield history, "", f"`{session}` · " + describe_output(out)
+                break
         finally:  # also when the browser went away mid-stream: free the row (H3)
             handle.cancel()
+            if nxt is not None:
+                nxt.cancel()
+                await asyncio.wait({nxt})  # let it unwind before closing what it iterates
+            await events.aclose()
             with self._lock:
                 self.handles.get(session, set()).discard(handle)
 

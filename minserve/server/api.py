@@ -28,8 +28,11 @@ writes bytes. The engine is started and stopped in the app's lifespan.
 from __future__ import annotations
 
 import asyncio
+import re
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -60,6 +63,27 @@ from .shapes import SSE_DONE, ResponseShaper, sse
 __all__ = ["create_app", "rejection_response", "served_model_names", "OpenAIError"]
 
 T = TypeVar("T")
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+class RecentOwners:
+    """request id -> session, for the newest `size` requests (bounded: a server runs for
+    months; explain answers about recent requests, engine.explain keeps as many)."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self._owners = size, OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, request_id: str, session: str) -> None:
+        with self._lock:
+            self._owners[request_id] = session
+            self._owners.move_to_end(request_id)
+            while len(self._owners) > self.size:
+                self._owners.popitem(last=False)
+
+    def get(self, request_id: str) -> str | None:
+        with self._lock:
+            return self._owners.get(request_id)
 
 
 def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: bool = True,
@@ -88,6 +112,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
     app.state.engine = engine
     app.state.draining = False  # set on SIGTERM (cli.MinserveServer): new requests get 503
     app.state.limits = limits
+    # request id -> the session that sent it (who may ask /scheduler/explain), newest last
+    app.state.owners = RecentOwners(4096)
     install_error_handlers(app)
     app.add_middleware(RequestLimits, limits=limits, state=app.state)
     if api_key:  # added last: the outermost check, before anything else is looked at
@@ -133,6 +159,18 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
             return stats
         return aggregate_sessions(stats, request.headers.get("x-session-id"))
 
+    @app.get("/scheduler/explain/{request_id}")
+    def explain_request(request_id: str, request: Request) -> dict[str, Any]:
+        """Where a request is and why (engine.explain). Only for the session that sent it
+        (X-Session-Id / `user`, as when it was sent); anyone else gets the same 404 as for
+        an id that does not exist, so ids of other sessions cannot be probed."""
+        owner = app.state.owners.get(request_id)
+        caller = request.headers.get("x-session-id") or "default"
+        if owner is None or owner != caller:
+            raise OpenAIError(404, f"no request {request_id!r} for this session",
+                              "invalid_request_error", code="request_not_found")
+        return engine.explain(request_id)
+
     @app.get("/health")
     async def health() -> JSONResponse:
         """Liveness without locks: a thread's `is_alive()` and two plain reads, so this
@@ -159,15 +197,23 @@ async def _generate(engine: Engine, request: Request, body: GenerationRequest, i
         raise bad_request(f"the session name (X-Session-Id) is {len(session)} characters; at "
                           f"most {limits.max_user_chars} are allowed", "user")
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    engine_id = request.headers.get("x-request-id") or rid  # the client may name it
+    if not REQUEST_ID.fullmatch(engine_id):
+        raise bad_request("X-Request-Id must be 1-128 characters of letters, digits and "
+                          "'._:-'", "X-Request-Id")
+    if engine_id in engine.scheduler.requests:
+        raise bad_request(f"X-Request-Id {engine_id!r} names a request that is still "
+                          "running; use a new id", "X-Request-Id")
     if not engine.running:  # nobody would ever tick this request: say so instead of hanging
         raise OpenAIError(503, "the engine's worker thread is not running (see GET /health)",
                           "server_error", code="worker_dead")
     try:
         handle = engine.submit(ids, sampling, session_id=session, priority=body.priority,
-                               request_id=rid)
+                               request_id=engine_id)
     except ValueError as e:
         raise bad_request(str(e), "prompt") from None
     handle.wait_for_worker()  # if the worker dies now, the loop below says so (503)
+    request.app.state.owners.add(engine_id, session)
     shaper = ResponseShaper(kind, rid, engine.model_name, len(ids), session, body.priority)
     events = _while_worker_lives(engine, handle.__aiter__())
     handed_off = False  # True once a streaming response owns the cancel
@@ -179,12 +225,12 @@ async def _generate(engine: Engine, request: Request, body: GenerationRequest, i
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = _sse_stream(first, events, handle, shaper, include_usage)
             handed_off = True
-            return CancelOnCloseStream(stream, handle, headers={"x-request-id": rid})
+            return CancelOnCloseStream(stream, handle, headers={"x-request-id": engine_id})
         await _unless_disconnected(request, _drain(events))
         out = handle.output
         if out.finish_reason == "error":
             raise _engine_error(handle)
-        return JSONResponse(shaper.final_body(out), headers={"x-request-id": rid})
+        return JSONResponse(shaper.final_body(out), headers={"x-request-id": engine_id})
     except ClientGone:  # nobody is listening; 499 is nginx's "client closed request"
         return Response(status_code=499)
     finally:

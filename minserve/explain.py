@@ -1,0 +1,158 @@
+"""Why is my request not running yet? One structured answer and one sentence (P6, G6).
+
+    engine.explain("req-7")
+    {"request_id": "req-7", "state": "pending", "position": 3, "ahead": 3,
+     "held_by": {"gate": "G2", "reason": "kv_budget", "numbers": {...}},
+     "sentence": "waiting: 3 requests ahead of you; the head is held by G2: 3900 of 4096
+                  KV tokens are reserved, it needs 600", ...}
+
+Where a request can be, and what is said about it:
+
+    pending, head        the gates' verdict on it right now (batch full, G2, G3, the
+                         session cap), or "admitted at the next tick"
+    pending, not head    its position, how many are ahead, and what holds the head
+    prefilling           prompt tokens computed so far
+    active               tokens so far, its reservation
+    any of those         preemptions so far and what re-admission will recompute;
+                         under the fair policy its session's counter against the
+                         lowest counter among waiting sessions (who goes next)
+    finished             its finish reason (kept for the last `Scheduler.RECENT` requests)
+    unknown              never seen, or finished long ago
+
+Read-only: the gates are pure functions asked about numbers the scheduler holds;
+nothing is admitted, reserved or charged by asking. It takes the tick lock, so the
+answer describes the engine between two ticks, never half-way through one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .request import Request
+
+
+def explain(scheduler, request_id: str) -> dict[str, Any]:
+    """Where `request_id` is and why, as plain data with a `sentence` for people."""
+    s = scheduler
+    with s.lock, s.queue_lock:
+        req = s.requests.get(request_id)
+        if req is None:
+            done = s.recent_finished.get(request_id)
+            if done is None:
+                return {"request_id": request_id, "state": "unknown",
+                        "sentence": "unknown: no such request (or it finished long ago)"}
+            return {**done, "sentence": _finished_sentence(done)}
+        out: dict[str, Any] = {
+            "request_id": request_id, "state": req.status.value, "session": req.session_id,
+            "priority": req.priority, "prompt_tokens": req.prompt_len,
+            "tokens_so_far": len(req.output_token_ids), "max_tokens": req.max_tokens,
+            "reserved_tokens": req.reserved_tokens, "preemptions": req.num_preemptions,
+            "admission": s.config.admission}
+        fair = _fair_view(s, req)
+        if fair is not None:
+            out["fair"] = fair
+        if any(r is req for r in s.prefilling):
+            out.update(queue="prefilling", computed=req.num_computed_prompt_tokens,
+                       to_compute=req.prefill_len)
+            out["sentence"] = (f"prefilling: {req.num_computed_prompt_tokens} of "
+                               f"{req.prefill_len} prompt tokens computed"
+                               + _recompute_note(req))
+            return out
+        if any(r is req for r in s.active):
+            out["queue"] = "active"
+            out["sentence"] = (f"running: {len(req.output_token_ids)} of at most "
+                               f"{req.max_tokens} tokens generated; it holds "
+                               f"{req.reserved_tokens} tokens of KV reservation"
+                               + _preempted_note(req))
+            return out
+        return _pending(s, req, out)
+
+
+def _pending(s, req: Request, out: dict[str, Any]) -> dict[str, Any]:
+    order = list(s.policy)  # admission order
+    pos = next(i for i, r in enumerate(order) if r is req)
+    head = order[0]
+    verdict = s._run_gates(head)
+    if verdict is None or not verdict.hard:
+        verdict = s._session_cap(head) or verdict
+    out.update(queue="pending", position=pos, ahead=pos, waiting=len(order),
+               rows=len(s.prefilling) + len(s.active), max_batch_size=s.config.max_batch_size,
+               kv_reserved=s.active_kv_reserved, kv_budget_tokens=s.kv_budget_tokens)
+    if verdict is not None:
+        out["held_by"] = {"request_id": head.request_id, **verdict.to_dict()}
+    why = _hold_words(verdict) if verdict is not None else "nothing holds it"
+    if pos == 0:
+        sentence = (f"waiting at the head of the queue: {why}" if verdict is not None
+                    else "waiting at the head of the queue: nothing holds it; it is "
+                         "admitted at the next tick")
+    else:
+        ahead = f"{pos} request{'s' if pos != 1 else ''} ahead of you"
+        sentence = f"waiting: {ahead}; the head is held: {why}" if verdict is not None \
+            else f"waiting: {ahead}; the head is admitted at the next tick"
+    fair = out.get("fair")
+    if fair is not None and pos > 0:
+        sentence += (f"; your session's counter is {fair['session_counter']:g}, the lowest "
+                     f"waiting is {fair['lowest_waiting_counter']:g}")
+    out["sentence"] = sentence + _preempted_note(req)
+    return out
+
+
+def _hold_words(r) -> str:
+    """A gate's verdict in words, with its numbers (G6)."""
+    n = r.numbers
+    if r.reason == "batch_full":
+        return f"the batch is full ({n['rows']}/{n['max_batch_size']} rows)"
+    if r.reason in ("kv_budget", "kv_budget_exceeded"):
+        return (f"G2: {n['active_kv_reserved']} of {n['kv_budget_tokens']} KV tokens are "
+                f"reserved, it needs {n['need']}")
+    if r.reason in ("block_pool", "prompt_exceeds_block_pool"):
+        return f"G3: {n['free_blocks']} free blocks, it needs {n['blocks_needed']}"
+    if r.reason == "session_cap":
+        return (f"its session already holds {n['session_rows']} rows, the cap "
+                f"(max_rows_per_session={n['max_rows_per_session']})")
+    return r.message
+
+
+def _fair_view(s, req: Request) -> dict[str, Any] | None:
+    counters = getattr(s.policy, "counters", None)
+    if counters is None:
+        return None
+    waiting = [counters.get(r.session_id, 0.0) for r in s.policy if r.priority == req.priority]
+    return {"session_counter": counters.get(req.session_id, 0.0),
+            "lowest_waiting_counter": min(waiting) if waiting else None}
+
+
+def _preempted_note(req: Request) -> str:
+    if not req.num_preemptions:
+        return ""
+    times = "once" if req.num_preemptions == 1 else f"{req.num_preemptions} times"
+    return f" (preempted {times}; re-admission recomputes {req.prefill_len} tokens)" \
+        if req.status.value == "pending" else f" (preempted {times} so far)"
+
+
+def _recompute_note(req: Request) -> str:
+    if not req.num_preemptions:
+        return ""
+    return (f", recomputing after {req.num_preemptions} preemption"
+            f"{'s' if req.num_preemptions != 1 else ''}")
+
+
+def finished_summary(req: Request) -> dict[str, Any]:
+    """What `explain` keeps about a request once it is done."""
+    out = {"request_id": req.request_id, "state": "finished", "session": req.session_id,
+           "finish_reason": req.finish_reason.value if req.finish_reason else None,
+           "tokens_so_far": len(req.output_token_ids), "preemptions": req.num_preemptions}
+    if req.rejection is not None:
+        out["rejection"] = req.rejection.to_dict()
+    if req.error:
+        out["error"] = req.error
+    return out
+
+
+def _finished_sentence(done: dict[str, Any]) -> str:
+    if done.get("rejection"):
+        r = done["rejection"]
+        return f"finished: refused by {r['gate']}: {r['message']}"
+    extra = f" after {done['preemptions']} preemption(s)" if done["preemptions"] else ""
+    return (f"finished ({done['finish_reason']}): {done['tokens_so_far']} tokens"
+            f"{extra}")
