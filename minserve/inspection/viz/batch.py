@@ -38,7 +38,7 @@ def padding(rec, trace=None) -> go.Figure:
     mask, pos, rows = b["attention_mask"], b["position_ids"], b["row_ids"]
     B, L = len(mask), (len(mask[0]) if mask else 0)
     if B == 0:
-        return _empty(f"tick {rec.tick}: the padded decode batch is empty")
+        return style.empty(f"tick {rec.tick}: the padded decode batch is empty")
     pos_z = [[p if m else -1 for p, m in zip(pr, mr)] for pr, mr in zip(pos, mask)]
     labels = [f"{rid} ({sum(m)}/{L})" for rid, m in zip(rows, mask)]
     show_text = L <= CELL_TEXT_MAX_COLS
@@ -90,7 +90,7 @@ def block_tables(rec, trace=None) -> go.Figure:
     refs = {blk["id"]: blk["ref_count"] for blk in rec.blocks or []}
     rows = b["rows"]
     if not rows:
-        return _empty(f"tick {rec.tick}: the paged batch is empty (no block tables)")
+        return style.empty(f"tick {rec.tick}: the paged batch is empty (no block tables)")
     width = max([len(r["block_table"]) for r in rows] + [1])
     z, text, labels, sx, sy = [], [], [], [], []
     for r in rows:
@@ -122,11 +122,6 @@ def block_tables(rec, trace=None) -> go.Figure:
                "dtick": 1},
         yaxis={"autorange": "reversed"}))
     return fig
-
-
-def _empty(title: str) -> go.Figure:
-    return go.Figure(layout=style.base_layout(
-        title, height=160, xaxis={"visible": False}, yaxis={"visible": False}))
 
 
 def batch(rec, trace=None) -> go.Figure:

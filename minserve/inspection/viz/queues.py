@@ -147,9 +147,9 @@ def queues(rec, trace=None, title: str | None = None) -> go.Figure:
                                hoverinfo="text", customdata=[c["id"] for c in cols[q]],
                                marker={"size": 30, "opacity": 0}, showlegend=False))
     # the legend: what a card's colour and a dashed red border mean (one meaning per colour)
-    for s in colors:
+    for s in sorted(colors):
         data.append(go.Scatter(x=[None], y=[None], mode="markers", name=s, customdata=[],
-                               legendgroup="sessions", legendgrouptitle={"text": "card colour = session:"},
+                               meta="session",
                                marker={"symbol": "square", "size": 12, "color": colors[s],
                                        "opacity": 0.6}, hoverinfo="skip"))
     if rec.admit.held:
@@ -168,6 +168,7 @@ def queues(rec, trace=None, title: str | None = None) -> go.Figure:
         title, shapes=shapes, annotations=annotations, height=175 + 82 * rows,
         margin={"l": 15, "r": 15, "t": 70, "b": 45}, showlegend=bool(colors),
         legend={"orientation": "h", "y": 0, "yanchor": "top", "x": 0, "font": {"size": 11},
+                "title": {"text": "card colour = session:"},
                 "itemclick": False, "itemdoubleclick": False},
         xaxis={"visible": False, "range": [-0.05, len(COLUMNS)]},
         yaxis={"visible": False, "range": [bottom, 0.6]}, hovermode="closest"))

@@ -88,3 +88,11 @@ def base_layout(title: str, **extra: Any) -> dict[str, Any]:
         raise ValueError(f"width {layout['width']} px would be clipped in JupyterLab's output "
                          f"area; leave it unset or at most {MAX_WIDTH}")
     return layout
+
+
+def empty(title: str):
+    """A figure with nothing to draw but its title (an empty batch, no tick yet)."""
+    import plotly.graph_objects as go
+
+    return go.Figure(layout=base_layout(
+        title, height=130, xaxis={"visible": False}, yaxis={"visible": False}))

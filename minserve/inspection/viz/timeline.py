@@ -224,7 +224,8 @@ def work(runs, title: str | None = None, durations: bool = False,
     yr = [math.log10(0.8), math.log10(top * 1.6)] if log_y else [0, top * 1.12]
     for row in range(1, len(named) + 1):
         fig.update_yaxes(title_text="tokens", type="log" if log_y else "linear", range=yr,
-                         row=row, col=1, **({"secondary_y": False} if durations else {}))
+                         dtick=1 if log_y else None, row=row, col=1,
+                         **({"secondary_y": False} if durations else {}))
     return fig
 
 
