@@ -32,7 +32,7 @@ def _gate_line(rejection: dict[str, Any]) -> str:
     n = rejection.get("numbers", {})
     if rejection["gate"] == "G2":
         return (f"held by G2: {n.get('active_kv_reserved')} + {n.get('need')}"
-                f" > {n.get('kv_budget_tokens')} tokens")
+                f" > {n.get('kv_budget_tokens')}")
     if rejection["gate"] == "G3":
         return f"held by G3: {n.get('blocks_needed')} blocks, {n.get('free_blocks')} free"
     if rejection.get("reason") == "session_cap":
