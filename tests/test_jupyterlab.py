@@ -114,13 +114,13 @@ FIGURE_WIDTHS = """() => [...document.querySelectorAll('.jp-OutputArea .js-plotl
 
 
 def _run_all_cells(page, timeout_s: float = 240) -> None:
-    """Run > Run All Cells; return when every code cell shows its new execution count."""
+    """Run > Run All Cells; return when no cell is queued or running any more."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     started = ("() => [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]"
                ".some(e => e.textContent.includes('*'))")
     for _ in range(6):  # until the kernel is ready the command may do nothing: try again
-        page.locator(".jp-NotebookPanel .jp-Cell").first.click()  # the notebook has the focus
+        page.locator(".jp-NotebookPanel:visible .jp-Cell").first.click()  # focus the notebook
         page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
         page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
         try:
@@ -129,11 +129,8 @@ def _run_all_cells(page, timeout_s: float = 240) -> None:
         except PlaywrightTimeout:
             continue
     deadline = time.monotonic() + timeout_s
-    # running: a [*] prompt; not run yet: the last code cell (the stepper) has no [n]
-    # (a hidden check cell's prompt may show nothing, so it is not waited for)
-    busy = """() => { const ps = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')];
-        return ps.some(e => e.textContent.includes('*')) ||
-               !/\\[\\d+\\]/.test(ps[ps.length - 1].textContent); }"""
+    # Run All queues every cell at once ([*]); when none shows [*], all have run
+    busy = started
     while page.evaluate(busy):
         assert time.monotonic() < deadline, "the notebook did not finish running"
         page.wait_for_timeout(500)
