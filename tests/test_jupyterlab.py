@@ -58,7 +58,8 @@ def lab(tmp_path_factory):
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
            f"--ServerApp.port={port}", f"--ServerApp.root_dir={copy}",
            "--LabApp.default_url=/lab/tree/notebooks/README.md",
-           f"--LabApp.user_settings_dir={settings}",
+           f"--LabApp.user_settings_dir={settings}",  # and no workspace (open tabs) of
+           f"--LabApp.workspaces_dir={settings}",     # the user's own JupyterLab
            f"--IdentityProvider.token={TOKEN}"]
     if os.geteuid() == 0:  # as `make notebooks` does on a root shell (containers, CI)
         cmd.append("--allow-root")
@@ -156,10 +157,10 @@ def test_lesson_01_in_jupyterlab_the_stepper_answers_its_first_click_and_every_f
         console: list[str] = []
         page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
         page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
-        page.goto(f"{lab}/lab/tree/notebooks/01_one_tick.ipynb?token={TOKEN}")
-        page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=60_000)
+        page.goto(f"{lab}/lab/tree/notebooks/01_one_tick.ipynb?reset&token={TOKEN}")
+        page.wait_for_selector(".jp-NotebookPanel:visible .jp-Cell", timeout=90_000)
         page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
-                               timeout=60_000)
+                               timeout=90_000)
         assert page.locator(".jp-DirListing").first.is_visible(), "the file browser is open"
         news = page.locator(".jp-Notification-Toast-Close, .Toastify__close-button")
         if news.count():  # "Would you like to get notified about official Jupyter news?"
