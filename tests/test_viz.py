@@ -333,9 +333,9 @@ def test_stepper_sends_real_questions_of_varied_length_and_shows_each_answer_as_
 
     model, tokenizer = real_model
     st = Stepper(make_engine(model, tokenizer, max_batch_size=4))
-    st.add_request(session="alice", max_tokens=6)  # plain text
-    st.add_request(session="bob", max_tokens=6, chat=True)  # through the chat template
-    st.add_request("Hello!", session="carol", max_tokens=6)
+    st.add_request(session="alice", max_tokens=4)  # plain text
+    st.add_request(session="bob", max_tokens=4, chat=True)  # through the chat template
+    st.add_request("Hello!", session="carol", max_tokens=4)
     cards = st.recorder.cards
     assert cards["req-0"]["prompt"] == EXAMPLE_PROMPTS[0]
     assert len({c["prompt_len"] for c in cards.values()}) == 3  # padding shows
