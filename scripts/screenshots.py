@@ -3,11 +3,14 @@
     .venv/bin/python scripts/screenshots.py          # every notebook
     .venv/bin/python scripts/screenshots.py 02 05    # notebooks whose name starts so
 
-Each notebook in notebooks/ is executed in memory (the file is not touched) in a
+Each notebook under notebooks/ is executed in memory (the file is not touched) in a
 kernel of this Python environment. Every code cell whose metadata holds
 `{"minserve": {"screenshot": "NAME"}}` draws one plotly figure; its JSON, taken
 from the cell's output, becomes docs/img/NAME.png. So the pictures in docs/ are
-exactly the notebooks' pictures, with one source for both.
+exactly the notebooks' pictures, with one source for both, and each notebook links
+its own (a "static picture" under every figure: outputs are not stored, so a code
+host's preview shows these). The stepper's picture (docs/img/stepper.png) is a
+screenshot of real JupyterLab, taken by tests/test_jupyterlab.py (`make screenshots`).
 
 Needs the `dev` extras (nbclient, kaleido) and a Chromium or Chrome for kaleido
 to drive headless (Debian: `apt-get install -y chromium`; another binary: set
@@ -49,9 +52,12 @@ def notebook_figures(path: Path) -> dict[str, dict]:
 
 
 def render(figures: dict[str, dict], out: Path) -> list[Path]:
-    """Write each figure as PNG at the size its layout asks for."""
+    """Write each figure as PNG: at the width its layout asks for, or (the figures leave
+    it unset, to fit any output area) at EXPORT_WIDTH, the width of a notebook's output."""
     import kaleido
     import plotly.io as pio
+
+    from minserve.inspection.viz.style import EXPORT_WIDTH
 
     out.mkdir(parents=True, exist_ok=True)
     kaleido.start_sync_server(mathjax=False, silence_warnings=True)
@@ -61,7 +67,9 @@ def render(figures: dict[str, dict], out: Path) -> list[Path]:
     try:
         for name, fig in figures.items():
             path = out / f"{name}.png"
-            pio.write_image(pio.from_json(json.dumps(fig)), path, format="png", scale=1)
+            fig = pio.from_json(json.dumps(fig))
+            pio.write_image(fig, path, format="png", scale=1,
+                            width=fig.layout.width or EXPORT_WIDTH)
             written.append(path)
     finally:
         kaleido.stop_sync_server(silence_warnings=True)
@@ -69,7 +77,7 @@ def render(figures: dict[str, dict], out: Path) -> list[Path]:
 
 
 def main(argv: list[str]) -> int:
-    paths = sorted(NOTEBOOKS.glob("*.ipynb"))
+    paths = sorted(p for p in NOTEBOOKS.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
     if argv:
         paths = [p for p in paths if any(p.name.startswith(a) for a in argv)]
     figures: dict[str, dict] = {}

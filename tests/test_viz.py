@@ -258,23 +258,168 @@ def test_stepper_buttons_redraw_the_same_figure_widgets_in_place(tiny_model):
     assert "tick" in st.status() and engine.stats()["active_kv_reserved"] == 0
 
 
-# --- the notebooks: lessons that import minserve, stored diff-friendly -------------------------
-def _code_cells(path: Path):
-    nb = json.loads(path.read_text())
-    return [c for c in nb["cells"] if c["cell_type"] == "code"]
+def test_stepper_layout_puts_the_timeline_right_under_the_buttons_and_the_text_beside_the_status(
+        tiny_model):
+    import ipywidgets as w
+
+    st = Stepper(make_engine(tiny_model, max_batch_size=2))
+    st.add_request(session="alice")
+    box = st.widget
+    buttons, adder, info, first_figure = box.children[:4]
+    assert {b.description for b in buttons.children if isinstance(b, w.Button)} == {
+        "next phase", "next tick", "run N ticks", "reset (fresh engine)"}
+    assert "add request" in {b.description for b in adder.children if isinstance(b, w.Button)}
+    assert [type(c) for c in info.children] == [w.HTML, w.HTML]  # status | requests' text
+    assert first_figure is st._figs["timeline"]
+    assert "req-0" in info.children[1].value and "alice" in info.children[1].value
 
 
-def test_notebooks_store_no_figure_output_and_define_no_engine_code():
-    paths = sorted(NOTEBOOKS.glob("*.ipynb"))
-    assert len(paths) >= 6
-    for path in paths:
-        for cell in _code_cells(path):
-            src = "".join(cell["source"])
-            tags = cell.get("metadata", {}).get("tags", [])
-            if "nbval-ignore-output" in tags:
-                assert cell["outputs"] == [], (path.name, src[:40])
-            for out in cell["outputs"]:
-                assert out.get("name") != "stderr", (path.name, src[:40])
-                assert "application/vnd.plotly.v1+json" not in out.get("data", {})
-            assert "class " not in src, "notebooks import minserve; they never redefine it"
-        assert "import minserve" in path.read_text() or "from minserve" in path.read_text()
+def test_stepper_reset_gives_a_fresh_engine_with_the_opening_requests_queued(tiny_model):
+    """The first click after reset does something: the opening requests are pending."""
+    engine = make_engine(tiny_model, max_batch_size=2)
+    st = Stepper(engine)
+    for s in ("alice", "bob", "carol"):
+        st.add_request(session=s, max_tokens=3)
+    st.run(100)
+    assert not engine.scheduler.has_work()
+    fresh = st.reset()
+    assert fresh is st.engine and fresh is not engine and fresh.model is engine.model
+    assert fresh.config == engine.config and fresh.scheduler.tick_count == 0
+    assert fresh.stats()["queues"]["pending"] == 3
+    admit = st.next_phase()  # the first click
+    assert [a["request_id"] for a in admit.admitted] == ["req-0", "req-1"]
+    assert [st.recorder.cards[r]["session"] for r in ("req-0", "req-1", "req-2")] == [
+        "alice", "bob", "carol"]
+    st.run(100)
+    assert st.reset(requeue=False).stats()["queues"]["pending"] == 0
+
+
+def test_stepper_never_shows_a_new_request_beside_an_unexplained_nothing_waiting(tiny_model):
+    engine = make_engine(tiny_model, max_batch_size=2)
+    st = Stepper(engine)
+    st.add_request(session="alice", max_tokens=2)
+    assert "waiting in pending for T1 admit: req-0" in st.status()
+    st.run(10)  # drained: the last tick's admit said "nothing waiting"
+    assert "nothing waiting" in st.status() and "idle" in st.status()
+    st.add_request(session="bob")
+    status = st.status()
+    assert "previous tick" in status and "waiting in pending for T1 admit: req-1" in status
+    assert "idle" not in status
+    st.next_phase()  # T1 admits req-1; then a request arrives mid-tick
+    st.add_request(session="carol")
+    assert "arrived after this tick's T1 ran): req-2" in st.status()
+    st.next_tick()  # the tick ends; req-2 still waits for a T1 admit
+    assert "waiting in pending for T1 admit: req-2" in st.status()
+
+
+def test_stepper_requests_without_a_tokenizer_get_varied_lengths_and_show_their_token_ids(
+        tiny_model):
+    st = Stepper(make_engine(tiny_model, max_batch_size=4), prompt_len=12)
+    for _ in range(4):
+        st.add_request(max_tokens=4)
+    lengths = [r["prompt_tokens"] for r in st.requests()]
+    assert len(set(lengths)) > 1 and all(4 <= n <= 24 for n in lengths), lengths
+    st.run(2)
+    shown = {r["id"]: r["text"] for r in st.requests()}
+    ids = {rid: [ev.token_id for ev in h.events if ev.token_id is not None]
+           for rid, h in st.recorder.handles.items()}
+    assert all(shown[rid] == " ".join(map(str, ids[rid])) and ids[rid] for rid in ids), shown
+
+
+@pytest.mark.real_model
+def test_stepper_sends_real_questions_of_varied_length_and_shows_each_answer_as_it_grows(
+        real_model):
+    from minserve.inspection.stepper import EXAMPLE_PROMPTS
+
+    model, tokenizer = real_model
+    st = Stepper(make_engine(model, tokenizer, max_batch_size=4))
+    st.add_request(session="alice", max_tokens=4)  # plain text
+    st.add_request(session="bob", max_tokens=4, chat=True)  # through the chat template
+    st.add_request("Hello!", session="carol", max_tokens=4)
+    cards = st.recorder.cards
+    assert cards["req-0"]["prompt"] == EXAMPLE_PROMPTS[0]
+    assert len({c["prompt_len"] for c in cards.values()}) == 3  # padding shows
+    st.run(2)
+    early = {r["id"]: r["text"] for r in st.requests()}
+    st.run(20)
+    late = {r["id"]: r["text"] for r in st.requests()}
+    for rid, h in st.recorder.handles.items():
+        assert late[rid] == h.output.text and late[rid].startswith(early[rid]), (early, late)
+    assert any(len(late[r]) > len(early[r]) > 0 for r in late), (early, late)
+
+
+# --- figures fit the output area; colours mean one thing each ------------------------------------
+def all_figures(trace):
+    rec = trace[2]
+    big = dict(rec.to_dict(), blocks=[dict(b, id=i) for i, b in
+                                      enumerate((rec.blocks * 40)[:128])])
+    yield from [viz.queues(rec, trace), viz.batch(rec), viz.kv_blocks(rec),
+                viz.kv_blocks(big), viz.timeline(trace), viz.fairness(trace), viz.work(trace),
+                viz.work({"one": trace, "two": trace}), viz.tick_times({"a": trace}),
+                viz.style.empty("nothing")]
+
+
+def test_no_figure_is_wider_than_a_jupyterlab_output_area(traces):
+    """JupyterLab's output area is ~968 px with the file browser open (1400 px window):
+    figures leave their width to the area (autosize), or stay at or under MAX_WIDTH."""
+    for trace in traces.values():
+        for fig in all_figures(trace):
+            width = fig.layout.width
+            assert width is None or width <= style.MAX_WIDTH, (fig.layout.title.text, width)
+            if width is None:
+                assert fig.layout.autosize is not False
+    with pytest.raises(ValueError, match="clipped"):
+        style.base_layout("too wide", width=1000)
+
+
+def test_a_session_keeps_its_colour_in_every_figure_whatever_the_arrival_order(tiny_model):
+    def run(order):
+        rec = TraceRecorder(make_engine(tiny_model, max_batch_size=1, policy="fair"))
+        for s in order:
+            rec.submit([5, 6, 7], SamplingParams(max_tokens=2), session_id=s)
+        rec.step()
+        return rec.trace()
+
+    for order in (("alice", "bob", "zed"), ("zed", "bob", "alice")):
+        trace = run(order)
+        fair = {t.name: t.line.color for t in viz.fairness(trace).data if t.name in order}
+        q = viz.queues(trace[0], trace)
+        legend = {t.name: t.marker.color for t in q.data if t.meta == "session"}
+        card = {s.fillcolor for s in q.layout.shapes if s.fillcolor != "rgba(0,0,0,0)"}
+        assert card == set(legend.values())
+        assert fair == legend == {s: viz.session_color(s) for s in order}
+    assert len({viz.session_color(s) for s in style.CAST}) == len(style.CAST)
+    states = {style.PAD, style.REAL, style.SHARED, style.CACHED, style.HELD, style.PREFILL,
+              style.PREFILL_WAIT, style.QUEUED, style.DONE}
+    assert not states & set(style.SESSION_PALETTE), "a session colour must not read as a state"
+
+
+def test_queue_cards_say_what_their_colours_mean(traces):
+    trace = traces["paged"]
+    rec = next(r for r in trace.ticks if r.admit.held)
+    fig = viz.queues(rec, trace)
+    on_cards = {rec.requests[rid]["session"] for q in ("pending", "prefilling", "active")
+                for rid in rec.queues[q]}
+    legend = {t.name for t in fig.data if t.meta == "session"}
+    assert legend == on_cards and fig.layout.showlegend
+    assert any("held by a gate" in (t.name or "") for t in fig.data)
+
+
+def test_work_draws_several_runs_on_one_y_scale_where_decode_tokens_show(traces):
+    runs = {"padded": traces["padded"], "paged": traces["paged"]}
+    fig = viz.work(runs)
+    axes = [fig.layout.yaxis, fig.layout.yaxis2]
+    assert axes[0].range == axes[1].range and {a.type for a in axes} == {"log"}
+    decode = [t for t in fig.data if t.name.startswith("decode tokens")]
+    assert len(decode) == 2 and [t.showlegend for t in decode] == [True, False]
+    top = max(sum(t.y[i] for t in fig.data if t.type == "bar" and t.yaxis == "y")
+              for i in range(len(runs["padded"])))
+    assert 10 ** axes[0].range[1] >= top and 10 ** axes[0].range[0] < 1  # one decode token shows
+
+
+def test_tick_times_draws_every_ticks_wall_time_coloured_by_what_it_ran(traces):
+    trace = traces["padded"]
+    line = viz.tick_times({"run": trace}).data[0]
+    assert list(line.y) == [1000 * r.duration_s for r in trace.ticks]
+    assert list(line.marker.color) == [style.PREFILL if r.prefill.chunks else style.REAL
+                                       for r in trace.ticks]

@@ -14,7 +14,9 @@ saved last week.
     viz.kv_blocks(rec)     # the block pool: free / in use / shared / cached, and owners
     viz.timeline(trace)    # a Gantt of every request across ticks
     viz.fairness(trace)    # per-session service (and VTC counters) over time
-    viz.work(trace)        # tokens through the model per tick (prefill chunks + decode)
+    viz.work(trace)        # tokens through the model per tick (prefill chunks + decode);
+                           #   viz.work({"a": t1, "b": t2}) draws runs on one y-scale
+    viz.tick_times({"a": t1, "b": t2})  # wall time per tick: a stall, drawn
 
 The figures live in three files, one concept each: `queues.py` (the
 queues), `batch.py` (the decode batch and the KV block pool) and
@@ -26,8 +28,8 @@ from __future__ import annotations
 
 from .batch import BLOCK_STATES, batch, block_state, block_tables, kv_blocks, padding
 from .queues import queues
-from .style import as_record, session_colors
-from .timeline import fairness, timeline, work
+from .style import as_record, session_color, session_colors
+from .timeline import fairness, tick_times, timeline, work
 
 __all__ = ["BLOCK_STATES", "as_record", "batch", "block_state", "block_tables", "fairness",
-           "kv_blocks", "padding", "queues", "session_colors", "timeline", "work"]
+           "kv_blocks", "padding", "queues", "session_color", "session_colors", "tick_times", "timeline", "work"]

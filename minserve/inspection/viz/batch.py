@@ -38,7 +38,7 @@ def padding(rec, trace=None) -> go.Figure:
     mask, pos, rows = b["attention_mask"], b["position_ids"], b["row_ids"]
     B, L = len(mask), (len(mask[0]) if mask else 0)
     if B == 0:
-        return _empty(f"tick {rec.tick}: the padded decode batch is empty")
+        return style.empty(f"tick {rec.tick}: the padded decode batch is empty")
     pos_z = [[p if m else -1 for p, m in zip(pr, mr)] for pr, mr in zip(pos, mask)]
     labels = [f"{rid} ({sum(m)}/{L})" for rid, m in zip(rows, mask)]
     show_text = L <= CELL_TEXT_MAX_COLS
@@ -67,7 +67,7 @@ def padding(rec, trace=None) -> go.Figure:
     if staging:
         title += "<br><sup>being prefilled, not in the batch yet: " + ", ".join(
             f"{k} ({v} tokens)" for k, v in staging.items()) + "</sup>"
-    fig.update_layout(**style.base_layout(title, height=230 + 2 * 30 * max(1, B), width=1000,
+    fig.update_layout(**style.base_layout(title, height=230 + 2 * 30 * max(1, B),
                                         margin={"l": 120, "r": 20, "t": 90, "b": 45}))
     fig.update_yaxes(autorange="reversed", tickfont={"size": 11})
     fig.update_xaxes(title_text="KV column (all rows end at the newest token, on the right)",
@@ -90,7 +90,7 @@ def block_tables(rec, trace=None) -> go.Figure:
     refs = {blk["id"]: blk["ref_count"] for blk in rec.blocks or []}
     rows = b["rows"]
     if not rows:
-        return _empty(f"tick {rec.tick}: the paged batch is empty (no block tables)")
+        return style.empty(f"tick {rec.tick}: the paged batch is empty (no block tables)")
     width = max([len(r["block_table"]) for r in rows] + [1])
     z, text, labels, sx, sy = [], [], [], [], []
     for r in rows:
@@ -115,18 +115,13 @@ def block_tables(rec, trace=None) -> go.Figure:
                                      "line": {"width": 3}}, hoverinfo="skip"))
     fig.update_layout(**style.base_layout(
         f"tick {rec.tick}: paged batch, block tables (block_size {bs}; no padding anywhere)",
-        height=200 + 44 * max(1, len(rows)), width=1000,
+        height=200 + 44 * max(1, len(rows)),
         margin={"l": 200, "r": 20, "t": 70, "b": 45},
         legend={"orientation": "h", "y": -0.25, "x": 0},
         xaxis={"title": "index in the block table (token t lives in entry t // block_size)",
                "dtick": 1},
         yaxis={"autorange": "reversed"}))
     return fig
-
-
-def _empty(title: str) -> go.Figure:
-    return go.Figure(layout=style.base_layout(
-        title, height=160, width=1000, xaxis={"visible": False}, yaxis={"visible": False}))
 
 
 def batch(rec, trace=None) -> go.Figure:
@@ -160,7 +155,9 @@ def kv_blocks(rec, trace=None, columns: int | None = None) -> go.Figure:
     n = len(blocks)
     columns = columns or (16 if n > 48 else 12 if n > 24 else 8)
     nrows = -(-n // columns)
-    cell = min(58, 900 // columns)
+    # squares are drawn in pixels, so this figure has a width: the pool's columns fit
+    # in style.MAX_WIDTH (left and right margins, 60 px, plus a little room)
+    cell = min(58, (style.MAX_WIDTH - 80) // columns)
     fig = go.Figure()
     for name, color in BLOCK_STATES:
         sel = [blk for blk in blocks if block_state(blk) == name]
@@ -189,7 +186,7 @@ def kv_blocks(rec, trace=None, columns: int | None = None) -> go.Figure:
     title = (f"tick {rec.tick}: KV block pool, {used} in use, {cached} cached, "
              f"{n - used - cached} free of {n}" + (f" (block_size {bs})" if bs else ""))
     fig.update_layout(**style.base_layout(
-        title, width=max(560, cell * columns + 140), height=135 + cell * nrows,
+        title, width=max(560, cell * columns + 80), height=135 + cell * nrows,
         margin={"l": 40, "r": 20, "t": 60, "b": 80},
         showlegend=True, legend={"orientation": "h", "y": -0.02, "yanchor": "top", "x": 0},
         xaxis={"visible": False, "range": [-0.6, columns - 0.4]},

@@ -7,7 +7,8 @@
     │ held: G2 ... │      │ ███░░░░░     │        │ ███░░░░░     │           └────────────┘
     └──────────────┘      └──────────────┘        └──────────────┘
 
-Card colour = session; a red dashed border = soft-held at the head of pending
+Card colour = session (the legend says which; a session has the same colour in
+every figure, `style.session_color`); a red dashed border = soft-held at the head of pending
 by a gate (G4), with the gate's numbers (G6) in the card and on hover. The
 thin bar at the bottom of a card is its progress: prompt tokens computed
 (prefilling) or output tokens out of `max_tokens` (active).
@@ -31,7 +32,7 @@ def _gate_line(rejection: dict[str, Any]) -> str:
     n = rejection.get("numbers", {})
     if rejection["gate"] == "G2":
         return (f"held by G2: {n.get('active_kv_reserved')} + {n.get('need')}"
-                f" > {n.get('kv_budget_tokens')} tokens")
+                f" > {n.get('kv_budget_tokens')}")
     if rejection["gate"] == "G3":
         return f"held by G3: {n.get('blocks_needed')} blocks, {n.get('free_blocks')} free"
     if rejection.get("reason") == "session_cap":
@@ -111,7 +112,7 @@ def queues(rec, trace=None, title: str | None = None) -> go.Figure:
     cols = _cards(rec, trace)
     sessions = [c["card"].get("session") for col in cols.values() for c in col
                 if c["card"].get("session")]
-    colors = style.session_colors(trace, sessions)
+    colors = style.session_colors(sessions=sessions)  # the sessions on screen: the legend
     shapes, annotations, data = [], [], []
     for x, (q, label) in enumerate(COLUMNS):
         annotations.append({"x": x + CARD_W / 2, "y": 0.35, "text": f"<b>{label}</b> "
@@ -145,6 +146,17 @@ def queues(rec, trace=None, title: str | None = None) -> go.Figure:
         data.append(go.Scatter(x=xs, y=ys, mode="markers", name=q, hovertext=hover,
                                hoverinfo="text", customdata=[c["id"] for c in cols[q]],
                                marker={"size": 30, "opacity": 0}, showlegend=False))
+    # the legend: what a card's colour and a dashed red border mean (one meaning per colour)
+    for s in sorted(colors):
+        data.append(go.Scatter(x=[None], y=[None], mode="markers", name=s, customdata=[],
+                               meta="session",
+                               marker={"symbol": "square", "size": 12, "color": colors[s],
+                                       "opacity": 0.6}, hoverinfo="skip"))
+    if rec.admit.held:
+        data.append(go.Scatter(x=[None], y=[None], mode="markers", customdata=[],
+                               name="held by a gate (red dashed border)",
+                               marker={"symbol": "square-open", "size": 12, "color": style.HELD},
+                               hoverinfo="skip"))
     rows = max([len(c) for c in cols.values()] + [1])
     bottom = -rows * (CARD_H + GAP)
     if title is None:
@@ -153,8 +165,11 @@ def queues(rec, trace=None, title: str | None = None) -> go.Figure:
             reserved += f"/{trace.config['kv_budget_tokens']}"
         title = f"tick {rec.tick}: the queues after the tick · {reserved} tokens (R1)"
     fig = go.Figure(data=data, layout=style.base_layout(
-        title, shapes=shapes, annotations=annotations, height=150 + 82 * rows, width=1000,
-        margin={"l": 15, "r": 15, "t": 70, "b": 20},
+        title, shapes=shapes, annotations=annotations, height=175 + 82 * rows,
+        margin={"l": 15, "r": 15, "t": 70, "b": 45}, showlegend=bool(colors),
+        legend={"orientation": "h", "y": 0, "yanchor": "top", "x": 0, "font": {"size": 11},
+                "title": {"text": "card colour = session:"},
+                "itemclick": False, "itemdoubleclick": False},
         xaxis={"visible": False, "range": [-0.05, len(COLUMNS)]},
         yaxis={"visible": False, "range": [bottom, 0.6]}, hovermode="closest"))
     return fig

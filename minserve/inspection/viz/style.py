@@ -23,30 +23,38 @@ PREFILL_WAIT = "#fbe0b5"  # in prefilling, no chunk this tick
 QUEUED = "#bab0ac"  # waiting in pending
 DONE = "#333333"  # finished
 
-# sessions: a qualitative palette (colour-blind friendly, Okabe-Ito order)
-SESSION_PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9",
-                   "#D55E00", "#F0E442", "#000000", "#999999", "#882255")
+# sessions: colours that none of the states above uses, so a session colour never reads
+# as "prefill" or "decoding". A session keeps its colour in every figure of a notebook:
+# the colour is a function of the session id alone, never of arrival order.
+SESSION_PALETTE = ("#8e6cbd", "#17a2a2", "#d45c9e", "#8c6d31", "#a6a21a", "#7a1f5c", "#5b6b7f")
+# The lessons' cast gets fixed, distinct colours; any other id takes one from a hash of it
+# (stable everywhere, but two ids may then share a colour).
+CAST = {"alice": 0, "bob": 1, "carol": 2, "dave": 3, "erin": 4, "default": 6}
 
 TEMPLATE = "plotly_white"
 FONT = {"family": "DejaVu Sans, Arial, sans-serif", "size": 12}
+# Figures leave `width` unset (autosize): they fill the output area they are drawn in,
+# ~970 px in JupyterLab with the file browser open. A figure drawn with fixed-size marks
+# (the block pool's squares) stays at or under MAX_WIDTH; PNG exports use EXPORT_WIDTH.
+MAX_WIDTH = 900
+EXPORT_WIDTH = 900
+
+
+def session_color(session: str) -> str:
+    """The colour of a session, the same in every figure (a function of the id alone)."""
+    if session in CAST:
+        return SESSION_PALETTE[CAST[session]]
+    return SESSION_PALETTE[zlib.crc32(session.encode()) % len(SESSION_PALETTE)]
 
 
 def session_colors(trace: Trace | None = None, sessions: list[str] | None = None) -> dict[str, str]:
-    """Session -> colour, stable across the figures of one trace (order of first arrival).
-
-    Without a trace, a session's colour comes from a hash of its name: stable
-    everywhere, at the price of possible collisions.
-    """
-    colors: dict[str, str] = {}
+    """Session -> colour for the sessions of a trace (order of first arrival) and/or
+    `sessions`. Each colour is `session_color(session)`: the same in every figure."""
+    names: list[str] = []
     if trace is not None:
-        for rid in trace.request_ids():
-            s = trace.session_of(rid)
-            if s is not None and s not in colors:
-                colors[s] = SESSION_PALETTE[len(colors) % len(SESSION_PALETTE)]
-    for s in sessions or []:
-        if s not in colors:
-            colors[s] = SESSION_PALETTE[zlib.crc32(s.encode()) % len(SESSION_PALETTE)]
-    return colors
+        names += [s for rid in trace.request_ids() if (s := trace.session_of(rid)) is not None]
+    names += list(sessions or [])
+    return {s: session_color(s) for s in dict.fromkeys(names)}
 
 
 def short_id(request_id: str) -> str:
@@ -71,7 +79,20 @@ def as_record(rec_or_trace):
 
 
 def base_layout(title: str, **extra: Any) -> dict[str, Any]:
+    """The layout every figure starts from: no fixed width (see MAX_WIDTH), our font."""
     layout = {"title": {"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 15}},
-              "template": TEMPLATE, "font": FONT, "margin": {"l": 70, "r": 20, "t": 70, "b": 40}}
+              "template": TEMPLATE, "font": FONT, "autosize": True,
+              "margin": {"l": 70, "r": 20, "t": 70, "b": 40}}
     layout.update(extra)
+    if (layout.get("width") or 0) > MAX_WIDTH:
+        raise ValueError(f"width {layout['width']} px would be clipped in JupyterLab's output "
+                         f"area; leave it unset or at most {MAX_WIDTH}")
     return layout
+
+
+def empty(title: str):
+    """A figure with nothing to draw but its title (an empty batch, no tick yet)."""
+    import plotly.graph_objects as go
+
+    return go.Figure(layout=base_layout(
+        title, height=130, xaxis={"visible": False}, yaxis={"visible": False}))

@@ -1,4 +1,4 @@
-"""Whole-trace figures: a Gantt of requests across ticks, and fairness over time.
+"""Whole-trace figures: a Gantt of requests across ticks, fairness, work and time per tick.
 
 * `timeline(trace)`: one row per request, one column per tick, what it did in
   that tick (trace.request_states): waiting, held by a gate, a prefill chunk,
@@ -9,9 +9,15 @@
   `w_in * prompt tokens computed + w_out * output tokens`), derived from the
   records so it works for FCFS too; under the fair policy also its VTC counter
   (which includes the lifts, P4); below, how many of its requests wait.
+* `work(trace)` / `work({name: trace})`: tokens through the model per tick, prefill
+  stacked on decode, several runs on one y-scale.
+* `tick_times({name: trace})`: wall time per tick, i.e. the gap between two tokens
+  of every streaming user; a stall is a tall point.
 """
 
 from __future__ import annotations
+
+import math
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -74,7 +80,7 @@ def timeline(trace: tr.Trace, title: str | None = None) -> go.Figure:
                  f"{cfg.get('policy', '?')}, backend {cfg.get('backend', '?')}, prefill "
                  f"{cfg.get('prefill_mode', '?')}, max_batch_size {cfg.get('max_batch_size', '?')}")
     fig.update_layout(**style.base_layout(
-        title, barmode="overlay", height=170 + 26 * max(1, len(order)), width=1000,
+        title, barmode="overlay", height=170 + 26 * max(1, len(order)),
         margin={"l": 130, "r": 20, "t": 60, "b": 50},
         legend={"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 0.0,
                 "font": {"size": 11}},
@@ -123,7 +129,7 @@ def fairness(trace: tr.Trace, title: str | None = None) -> go.Figure:
                       row=rows, col=1)
     if title is None:
         title = f"fairness per session · policy {cfg.get('policy', '?')}"
-    fig.update_layout(**style.base_layout(title, height=260 + 160 * rows, width=1000,
+    fig.update_layout(**style.base_layout(title, height=260 + 160 * rows,
                                           margin={"l": 70, "r": 20, "t": 80, "b": 50},
                                           legend={"title": {"text": "session"}}))
     fig.update_xaxes(title_text="tick", row=rows, col=1)
@@ -134,50 +140,128 @@ def fairness(trace: tr.Trace, title: str | None = None) -> go.Figure:
     return fig
 
 
-def work(trace: tr.Trace, title: str | None = None, durations: bool = False) -> go.Figure:
-    """Tokens pushed through the model per tick: prompt tokens (prefill chunks, one colour
-    per request) stacked on decode tokens (one per active row), and above each bar the
-    number of forward passes that carried them (`TickRecord.forwards`: Version A runs
-    one per chunk plus the decode one, Version B one in all). With `durations`, the
-    tick's wall time too (ms, right axis; a measurement, so it differs run to run).
+PREFILL_SHADES = ("#f2a541", "#e07b39", "#c9541f", "#f6c48b", "#d99a5b", "#b5651d")  # orange: prefill
+
+
+def work(runs, title: str | None = None, durations: bool = False,
+         log_y: bool | None = None) -> go.Figure:
+    """Tokens pushed through the model per tick: prompt tokens (prefill chunks, one orange
+    shade per request) stacked on decode tokens (blue, one per active row), and above each
+    bar the number of forward passes that carried them (`TickRecord.forwards`: Version A
+    runs one per chunk plus the decode one, Version B one in all).
+
+    `runs`: one Trace, or {name: Trace} to draw several runs one above the other on *one*
+    y-scale, so their bars compare. That scale is logarithmic when the runs are compared
+    (`log_y`, default: True for several runs): a 384-token prefill and a 2-token decode
+    step are both visible. With `durations` (one trace only), the tick's wall time too
+    (ms, right axis; a measurement, so it differs run to run; see also `tick_times`).
 
     Chunked prefill (SPEC C1) caps the prompt part of every tick at
     `prefill_chunk_size`: the tallest bar, and so the longest tick, gets shorter.
     """
-    ticks = [rec.tick for rec in trace.ticks]
-    per_req: dict[str, list[int]] = {}
-    for i, rec in enumerate(trace.ticks):
-        for c in rec.prefill.chunks:
-            per_req.setdefault(c["request_id"], [0] * len(ticks))[i] += c["end"] - c["start"]
-    fig = make_subplots(specs=[[{"secondary_y": durations}]])
-    fig.add_trace(go.Bar(x=ticks, y=[len(rec.decode.rows) for rec in trace.ticks],
-                         name="decode tokens (1 per active row)", marker={"color": style.REAL}))
-    shades = ("#f2a541", "#e07b39", "#c9541f", "#f6c48b", "#d99a5b", "#b5651d")
-    for k, (rid, ys) in enumerate(per_req.items()):
-        fig.add_trace(go.Bar(x=ticks, y=ys, name=f"prefill {rid}",
-                             marker={"color": shades[k % len(shades)]}))
-    if any(rec.forwards for rec in trace.ticks):  # how many forward passes carried them
+    named = dict(runs) if isinstance(runs, dict) else {"": runs}
+    if log_y is None:
+        log_y = len(named) > 1
+    if durations and len(named) > 1:
+        raise ValueError("durations=True draws one trace; for several runs use tick_times(runs)")
+    fig = make_subplots(rows=len(named), cols=1, shared_xaxes=True, vertical_spacing=0.12,
+                        subplot_titles=[n for n in named] if len(named) > 1 else None,
+                        specs=[[{"secondary_y": durations}]] * len(named))
+    top, seen = 1, set()
+    for row, trace in enumerate(named.values(), start=1):
+        ticks = [rec.tick for rec in trace.ticks]
+        per_req: dict[str, list[int]] = {}
+        for i, rec in enumerate(trace.ticks):
+            for c in rec.prefill.chunks:
+                per_req.setdefault(c["request_id"], [0] * len(ticks))[i] += c["end"] - c["start"]
+        bars = [("decode tokens (1 per active row)", style.REAL,
+                 [len(rec.decode.rows) for rec in trace.ticks])]
+        bars += [(f"prefill {rid}", PREFILL_SHADES[k % len(PREFILL_SHADES)], ys)
+                 for k, (rid, ys) in enumerate(per_req.items())]
+        for name, color, ys in bars:
+            fig.add_trace(go.Bar(x=ticks, y=ys, name=name, legendgroup=name,
+                                 showlegend=name not in seen, marker={"color": color}),
+                          row=row, col=1)
+            seen.add(name)
         totals = [len(rec.decode.rows) + sum(c["end"] - c["start"] for c in rec.prefill.chunks)
                   for rec in trace.ticks]
-        fig.add_trace(go.Scatter(
-            x=ticks, y=totals, mode="text", name="forwards this tick (count above the bar)",
-            text=[str(len(rec.forwards)) if rec.forwards else "" for rec in trace.ticks],
-            textposition="top center", textfont={"size": 10, "color": style.DONE},
-            customdata=[", ".join(map(str, rec.forwards)) for rec in trace.ticks],
-            hovertemplate="tick %{x}: %{text} forward(s) of %{customdata} tokens<extra></extra>"))
-    if durations:
-        fig.add_trace(go.Scatter(x=ticks, y=[1000 * rec.duration_s for rec in trace.ticks],
-                                 name="tick wall time (ms)", mode="lines+markers",
-                                 line={"color": style.DONE, "width": 1.5}), secondary_y=True)
-        fig.update_yaxes(title_text="ms", secondary_y=True, rangemode="tozero", showgrid=False,
-                         tickmode="auto", nticks=6)
-    cfg = trace.config
+        top = max([top] + totals)
+        if any(rec.forwards for rec in trace.ticks):  # how many forward passes carried them
+            name = "forwards this tick (count above the bar)"
+            fig.add_trace(go.Scatter(
+                x=ticks, y=totals, mode="text", name=name, legendgroup=name,
+                showlegend=name not in seen,
+                text=[str(len(rec.forwards)) if rec.forwards else "" for rec in trace.ticks],
+                textposition="top center", textfont={"size": 10, "color": style.DONE},
+                customdata=[", ".join(map(str, rec.forwards)) for rec in trace.ticks],
+                hovertemplate="tick %{x}: %{text} forward(s) of %{customdata} tokens"
+                              "<extra></extra>"), row=row, col=1)
+            seen.add(name)
+        if durations:
+            fig.add_trace(go.Scatter(x=ticks, y=[1000 * rec.duration_s for rec in trace.ticks],
+                                     name="tick wall time (ms)", mode="lines+markers",
+                                     line={"color": style.DONE, "width": 1.5}),
+                          row=row, col=1, secondary_y=True)
+            fig.update_yaxes(title_text="ms", secondary_y=True, rangemode="tozero",
+                             showgrid=False, tickmode="auto", nticks=6)
+    first = next(iter(named.values()))
+    cfg = first.config
     if title is None:
-        title = (f"tokens through the model per tick · prefill {cfg.get('prefill_mode', '?')}"
-                 + (f", chunk {cfg['prefill_chunk_size']}" if cfg.get("prefill_chunk_size") else ""))
-    fig.update_layout(**style.base_layout(title, barmode="stack", height=420, width=1000,
-                                          legend={"font": {"size": 11}},
-                                          margin={"l": 70, "r": 20, "t": 60, "b": 50}))
-    fig.update_xaxes(title_text="tick", dtick=1 if len(ticks) <= 30 else None)
-    fig.update_yaxes(title_text="tokens", secondary_y=False)
+        title = "tokens through the model per tick" + (
+            " · one y-scale (log) for all runs" if len(named) > 1 and log_y else
+            " · one y-scale for all runs" if len(named) > 1 else
+            f" · prefill {cfg.get('prefill_mode', '?')}"
+            + (f", chunk {cfg['prefill_chunk_size']}" if cfg.get("prefill_chunk_size") else ""))
+    fig.update_layout(**style.base_layout(title, barmode="stack",
+                                          height=(420 if len(named) == 1 else 190 + 230 * len(named)),
+                                          legend={"font": {"size": 11}, "orientation": "h",
+                                                  "y": -0.12, "yanchor": "top", "x": 0},
+                                          margin={"l": 70, "r": 20, "t": 70, "b": 50}))
+    n_ticks = max(len(t.ticks) for t in named.values())
+    fig.update_xaxes(dtick=1 if n_ticks <= 30 else None)
+    fig.update_xaxes(title_text="tick", row=len(named), col=1)
+    # one y-scale for every run: the same range on each row (headroom for the counts)
+    yr = [math.log10(0.8), math.log10(top * 1.6)] if log_y else [0, top * 1.12]
+    for row in range(1, len(named) + 1):
+        fig.update_yaxes(title_text="tokens", type="log" if log_y else "linear", range=yr,
+                         dtick=1 if log_y else None, row=row, col=1,
+                         **({"secondary_y": False} if durations else {}))
+    return fig
+
+
+def tick_times(runs, title: str | None = None) -> go.Figure:
+    """Wall time of every tick, one line per run ({name: Trace}, or one Trace).
+
+    Every decoding row gets one token per tick, so for a user who is streaming, a
+    tick's time *is* the gap between two of their tokens: a tall point is a stall.
+    A marker is orange when the tick ran a prefill chunk, blue when it only decoded.
+    A measurement: it changes from run to run and machine to machine (the first tick
+    of a fresh process also pays one-off warm-up costs).
+    """
+    named = dict(runs) if isinstance(runs, dict) else {"": runs}
+    fig = go.Figure()
+    for k, (name, trace) in enumerate(named.items()):
+        ticks = [rec.tick for rec in trace.ticks]
+        prompt = [sum(c["end"] - c["start"] for c in rec.prefill.chunks) for rec in trace.ticks]
+        fig.add_trace(go.Scatter(
+            x=ticks, y=[1000 * rec.duration_s for rec in trace.ticks], name=name or "tick time",
+            mode="lines+markers", line={"color": style.DONE, "width": 1.5,
+                                        "dash": ("solid", "dot", "dash", "dashdot")[k % 4]},
+            marker={"size": 9, "color": [style.PREFILL if p else style.REAL for p in prompt],
+                    "line": {"width": 1, "color": style.DONE}},
+            customdata=[[p, len(rec.decode.rows)] for p, rec in zip(prompt, trace.ticks)],
+            hovertemplate=f"{name}<br>tick %{{x}}: %{{y:.1f}} ms<br>%{{customdata[0]}} prompt "
+                          "tokens, %{customdata[1]} decode rows<extra></extra>"))
+    for label, color in (("tick ran a prefill chunk", style.PREFILL),
+                         ("tick only decoded", style.REAL)):
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=label,
+                                 marker={"size": 9, "color": color}, hoverinfo="skip"))
+    fig.update_layout(**style.base_layout(
+        title or "time per tick = the gap between two tokens of every streaming user",
+        height=380, legend={"orientation": "h", "y": -0.2, "yanchor": "top", "x": 0,
+                            "font": {"size": 11}},
+        margin={"l": 70, "r": 20, "t": 60, "b": 50}))
+    n_ticks = max(len(t.ticks) for t in named.values())
+    fig.update_xaxes(title_text="tick", dtick=1 if n_ticks <= 30 else None)
+    fig.update_yaxes(title_text="ms", rangemode="tozero")
     return fig

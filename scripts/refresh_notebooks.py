@@ -1,0 +1,67 @@
+"""Re-execute the lessons and store them the way `make test` and the tests want them.
+
+    .venv/bin/python scripts/refresh_notebooks.py          # every notebook under notebooks/
+    .venv/bin/python scripts/refresh_notebooks.py 04 05    # those whose name starts so
+
+Each notebook is executed with nbclient in a kernel of this Python, then written
+back diff-friendly:
+
+* no widget state: `store_widget_state=False`. (Saved state of the stepper's plotly
+  FigureWidgets, each with the plotly.js bundle, once made notebook 01 weigh 20 MB;
+  `tests/test_notebooks.py` fails on any `metadata.widgets`.)
+* no output for a cell tagged `nbval-ignore-output` (a figure, the stepper) or `check`
+  (a hidden cell that asserts a claim of the text): nbval does not compare them, and a
+  figure's output embeds plotly.js.
+* no stderr, no execution timing; printed output stays, because nbval compares it.
+
+Run it after changing the engine or a lesson, look at the diff, commit.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+UNSTORED = {"nbval-ignore-output", "check"}  # cell tags whose output is never stored
+
+
+def refresh(path: Path) -> None:
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=900, kernel_name="python3", store_widget_state=False,
+                   record_timing=False, resources={"metadata": {"path": str(path.parent)}}
+                   ).execute()
+    nb.metadata.pop("widgets", None)
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)
+        if cell.cell_type != "code":
+            continue
+        if UNSTORED & set(cell.metadata.get("tags", [])):
+            cell.outputs, cell.execution_count = [], None
+        errs = [o for o in cell.outputs if o.get("name") == "stderr"]
+        if errs:
+            raise RuntimeError(f"{path.name}: a cell wrote to stderr (silence it in the "
+                               f"lesson):\n{''.join(cell.source)[:200]}\n{errs[0]['text'][:500]}")
+    nbformat.write(nb, path)
+
+
+def main(argv: list[str]) -> int:
+    paths = sorted(NOTEBOOKS.rglob("*.ipynb"))
+    paths = [p for p in paths if ".ipynb_checkpoints" not in p.parts]
+    if argv:
+        paths = [p for p in paths if any(p.name.startswith(a) for a in argv)]
+    for path in paths:
+        t0 = time.perf_counter()
+        refresh(path)
+        print(f"{path.relative_to(ROOT)}: {time.perf_counter() - t0:.1f} s, "
+              f"{path.stat().st_size / 1024:.0f} KB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
