@@ -98,7 +98,8 @@ def test_notebook_stores_no_figure_output_no_stderr_and_defines_no_engine_code(p
         for out in cell["outputs"]:
             assert out.get("name") != "stderr", (path.name, src[:60])
             assert "application/vnd.plotly.v1+json" not in out.get("data", {}), (path.name, src[:60])
-        assert "class " not in src, "notebooks import minserve; they never redefine it"
+        if path in LESSONS:  # (in a lab, the student writes a piece of the engine)
+            assert "class " not in src, "notebooks import minserve; they never redefine it"
     text = path.read_text(encoding="utf-8")
     assert "import minserve" in text or "from minserve" in text
 
@@ -183,7 +184,8 @@ def test_make_test_fast_leaves_out_the_real_model_notebooks():
     real = {p.relative_to(ROOT).as_posix() for p in PATHS
             if load(p).get("metadata", {}).get("minserve", {}).get("real_model")}
     assert real and not (collected & real), (sorted(collected), sorted(real))
-    assert collected >= {p.relative_to(ROOT).as_posix() for p in PATHS} - real
+    # (the labs are otter sources, graded by tests/test_labs.py, not replayed by nbval)
+    assert collected >= {p.relative_to(ROOT).as_posix() for p in LESSONS} - real
 
 
 # --- notebooks/README.md: the course around the lessons ---------------------------------------

@@ -149,3 +149,23 @@ def test_real_model_preemption_is_token_exact(real_model, real_oracle, backend):
     assert engine.stats()["preemptions"] > 0
     for p, h in zip(prompts, handles):
         assert h.output.token_ids == real_oracle(p, 12)
+
+
+def test_the_trace_and_the_timeline_show_each_preemption(tiny_model):
+    from minserve.inspection import viz
+    from minserve.inspection.trace import PREEMPTED, TraceRecorder, request_states
+
+    rec = TraceRecorder(make_engine(tiny_model, admission="preempt", max_batch_size=6,
+                                    **SETUPS["paged"]))
+    for p in PROMPTS:
+        rec.submit(p, SamplingParams(max_tokens=NEW))
+    while rec.engine.scheduler.has_work():
+        rec.step()
+    trace = rec.trace()
+    marks = [(rid, ev["tick"]) for rid, evs in request_states(trace).items() for ev in evs
+             if ev["state"] == PREEMPTED]
+    assert len(marks) == rec.engine.stats()["preemptions"] > 0
+    fig = viz.timeline(trace)
+    drawn = [t for t in fig.data if t.name == PREEMPTED]
+    assert drawn and len(drawn[0].x) == len(marks)
+    assert sorted(drawn[0].x) == sorted(t for _, t in marks)

@@ -38,9 +38,9 @@ from ..sampling import SamplingParams
 TRACE_VERSION = 1
 
 # What happened to one request in one tick: the states the timeline draws.
-QUEUED, HELD, PREFILL, PREFILL_WAIT, DECODE, FINISHED, REJECTED = (
-    "queued", "held", "prefill", "prefill wait", "decode", "finished", "rejected")
-STATES = (QUEUED, HELD, PREFILL, PREFILL_WAIT, DECODE, FINISHED, REJECTED)
+QUEUED, HELD, PREFILL, PREFILL_WAIT, DECODE, FINISHED, REJECTED, PREEMPTED = (
+    "queued", "held", "prefill", "prefill wait", "decode", "finished", "rejected", "preempted")
+STATES = (QUEUED, HELD, PREFILL, PREFILL_WAIT, DECODE, FINISHED, REJECTED, PREEMPTED)
 
 
 def tick_from_dict(d: dict[str, Any]) -> TickRecord:
@@ -225,7 +225,8 @@ def request_states(trace: Trace) -> dict[str, list[dict[str, Any]]]:
     can hold two events for one request (monolithic prefill then decode in the same
     tick: T2 before T4). States: queued, held (with the gate), prefill (the chunk's
     token range), prefill wait (chunked: no budget left this tick), decode, finished
-    (with the reason), rejected (with the gate).
+    (with the reason), rejected (with the gate), preempted (admission="preempt": its KV
+    was dropped before the tick's decode; it waits in pending to be recomputed).
     """
     events: dict[str, list[dict[str, Any]]] = {rid: [] for rid in trace.request_ids()}
 
@@ -256,6 +257,10 @@ def request_states(trace: Trace) -> dict[str, list[dict[str, Any]]]:
         for e in rec.evict.evicted:
             add(e["request_id"], t, FINISHED, e["finish_reason"])
             touched.add(e["request_id"])
+        for p in rec.decode.preempted:
+            add(p["request_id"], t, PREEMPTED, f"{p['released_tokens']} tokens of KV "
+                f"released after {p['tokens_so_far']} tokens; {p['why']}")
+            touched.add(p["request_id"])
         for rid in rec.decode.rows:
             add(rid, t, DECODE, f"pos {rec.decode.positions.get(rid, '')}")
             touched.add(rid)

@@ -27,7 +27,8 @@ from . import style
 
 BAR_STATES = ((tr.QUEUED, style.QUEUED), (tr.HELD, style.HELD), (tr.PREFILL, style.PREFILL),
               (tr.PREFILL_WAIT, style.PREFILL_WAIT), (tr.DECODE, style.REAL))
-END_STATES = ((tr.FINISHED, style.DONE, "x-thin-open"), (tr.REJECTED, style.HELD, "x"))
+END_STATES = ((tr.FINISHED, style.DONE, "x-thin-open"), (tr.REJECTED, style.HELD, "x"),
+              (tr.PREEMPTED, style.HELD, "triangle-down"))  # P6: KV dropped, back to pending
 
 
 def timeline(trace: tr.Trace, title: str | None = None) -> go.Figure:
