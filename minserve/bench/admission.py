@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
         f"Reserve holds room for {args.max_tokens} tokens per row that most replies never "
         "use, so it runs fewer rows side by side and the pool holds fewer real tokens; "
         "preempt fills the pool"
-        + (f" and paid with {runs[1]['preemptions']} preemptions "
+        + (f" and paid with {runs[1]['preemptions']} "
+           f"preemption{'s' if runs[1]['preemptions'] != 1 else ''} "
            f"({runs[1]['recomputed_tokens']} tokens recomputed) when long replies outgrew it"
            if runs[1]["preemptions"] else
            "; on this run no reply outgrew the pool, so nothing was preempted")

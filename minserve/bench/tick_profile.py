@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     split = ["| inside the forward, by operator (profiled run) | share of the forward |",
              "|---|---|"] + [f"| {g} | {100 * v:.1f}% |" for g, v in shares.items()]
     md = "\n".join([
-        f"### Where the time goes: `{args.prefill_mode}` on the {args.backend} backend", "",
+        f"## Where the time goes: `{args.prefill_mode}` on the {args.backend} backend", "",
         f"`python -m minserve.bench.tick_profile --backend {args.backend} --prefill-mode "
         f"{args.prefill_mode}`: the chat mix, {args.n} requests at t=0, batch 8, chunks of "
         "256, EOS ignored; one plain run with forward hooks, one under `torch.profiler`.", "",
