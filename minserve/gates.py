@@ -47,7 +47,8 @@ def check_kv_budget(need: int, reserved: int, budget: int,
     whole = need if whole is None else whole
     numbers = {"need": need, "active_kv_reserved": reserved, "kv_budget_tokens": budget}
     if whole > budget:
-        numbers["prompt_plus_max_tokens"] = whole
+        if whole != need:  # preempt: say what could never fit, beside what it needs now
+            numbers["prompt_plus_max_tokens"] = whole
         return Rejection(gate="G2", reason="kv_budget_exceeded", hard=True, numbers=numbers,
                          message=f"prompt + max_tokens = {whole} tokens exceeds the whole KV "
                                  f"budget of {budget} tokens; shorten the prompt or max_tokens")

@@ -78,7 +78,9 @@ def test_reply_streams_into_the_page_beside_the_live_panel(page_url, browser, tm
     lengths, deadline = [], time.monotonic() + 120
     while time.monotonic() < deadline:
         text = bot.inner_text() if page.locator("#chat .bot-row").count() else ""
-        if text.strip() not in ("", "…") and (not lengths or len(text) != lengths[-1]):
+        waiting = text.strip().startswith("⏳")  # why it waits (engine.explain), no reply yet
+        if (text.strip() not in ("", "…") and not waiting
+                and (not lengths or len(text) != lengths[-1])):
             lengths.append(len(text))
         if "tokens in" in page.locator("#status").inner_text():  # the final status line
             break

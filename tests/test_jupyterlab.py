@@ -183,6 +183,10 @@ def test_lesson_01_in_jupyterlab_the_stepper_answers_its_first_click_and_every_f
         stepper.locator(".widget-button", has_text="next tick").click()
         page.wait_for_function("[...document.querySelectorAll('.widget-vbox pre')]"
                                ".some(e => e.textContent.includes('tick 1\\n'))")
+        # the table is a separate widget: on a busy machine it redraws a moment later
+        page.wait_for_function("[...document.querySelectorAll('.widget-vbox table tr')].some("
+                               "r => r.textContent.includes('alice') && "
+                               "r.textContent.includes('active'))", timeout=30_000)
         rows = table.locator("tr").all_inner_texts()
         assert len(rows) == 4 and "alice" in rows[1] and "active" in rows[1], rows
         answer = table.locator("tr").nth(1).locator("td").last.inner_text()

@@ -139,7 +139,7 @@ def test_real_model_preemption_is_token_exact(real_model, real_oracle, backend):
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in (
         "The capital of France is", "Water boils at a temperature of",
         "One, two, three, four,", "The largest planet in our solar system is")]
-    setup = (dict(kv_budget_tokens=80) if backend == "padded"
+    setup = (dict(kv_budget_tokens=56) if backend == "padded"
              else dict(num_blocks=10, block_size=8))
     engine = make_engine(model, tok, backend=backend, admission="preempt", max_batch_size=4,
                          **setup)
