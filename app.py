@@ -242,6 +242,20 @@ def build_app(engine, *, history_messages: int = 12, panel_interval: float = 1.0
         async for out in app.chat(message, history, temperature, max_tokens, request):
             yield out
 
+    def take(message, request: gr.Request):
+        """Enter / Send: clear the box only for a message accepted; a refused one stays
+        in it, and the status line and a toast say why (never dropped silently)."""
+        ok, status = app.take(message, request)
+        if ok:
+            return "", status
+        if (message or "").strip():
+            gr.Warning(status.split(" · ", 1)[-1])
+        return gr.skip(), status
+
+    async def reply(history, temperature, max_tokens, request: gr.Request):
+        async for out in app.reply(history, temperature, max_tokens, request):
+            yield out
+
     async def stop(request: gr.Request):
         return await app.stop(request)
 
@@ -304,12 +318,23 @@ def build_app(engine, *, history_messages: int = 12, panel_interval: float = 1.0
                 with gr.Accordion("What the ids mean (Q1, P2, G1, R1, ...)", open=False):
                     gr.Markdown(spec_legend(), elem_id="legend")
 
-        chat_io = dict(fn=chat, inputs=[msg, chatbot, temperature, max_tokens],
-                       outputs=[chatbot, msg, status], concurrency_limit=None,
-                       show_progress="hidden")
-        msg.submit(api_name="chat", **chat_io)
-        send.click(api_visibility="private", **chat_io)
-        stop_btn.click(stop, None, status, api_name="stop", concurrency_limit=None)
+        # Enter or Send: `take` (the box is cleared only if the message is accepted), then
+        # `reply` streams into the chat and the status line, never into the box, so what
+        # the user types meanwhile stays. trigger_mode="multiple": an Enter while a reply
+        # streams reaches `take`, which refuses it visibly (Gradio's default, "once",
+        # dropped it without a word).
+        for trigger in (msg.submit, send.click):
+            trigger(take, [msg], [msg, status], api_visibility="private", trigger_mode="multiple",
+                    concurrency_limit=None, show_progress="hidden").then(
+                reply, [chatbot, temperature, max_tokens], [chatbot, status],
+                api_visibility="private", concurrency_limit=None, show_progress="hidden")
+        # the API: one call, (message, history, temperature, max tokens) -> (history, box,
+        # status) as it streams (tests/test_app.py uses it through gradio_client)
+        api_btn = gr.Button(visible=False)
+        api_btn.click(chat, [msg, chatbot, temperature, max_tokens], [chatbot, msg, status],
+                      api_name="chat", concurrency_limit=None, show_progress="hidden")
+        stop_btn.click(stop, None, status, api_name="stop", concurrency_limit=None,
+                       trigger_mode="multiple")
         clear.click(lambda: ([], ""), None, [chatbot, status], api_visibility="private")
         flood_btn.click(flood, [n_total, n_flight, n_tokens, n_secs], flood_md,
                         api_name="flood_start", concurrency_limit=None)

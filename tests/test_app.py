@@ -368,3 +368,90 @@ def test_a_waiting_user_is_told_why_instead_of_a_spinner(serve):
     final = job.result(timeout=120)
     assert "batch is full" not in reply_of(final) and final[2].endswith("length"), final[2]
     assert wait_for(engine.scheduler.is_drained)
+
+
+# --- one turn at a time: Enter while a reply streams, Stop before the message is sent ----------
+class _Tab:
+    """What Gradio passes as `request`: a browser tab's session hash."""
+
+    def __init__(self, session_hash: str) -> None:
+        self.session_hash = session_hash
+
+
+@pytest.fixture
+def chat_app(chat_model):
+    from minserve.chat.logic import ChatApp
+
+    app = ChatApp(Engine(EngineConfig(device="cpu", policy="fair"), model=chat_model[0],
+                         tokenizer=chat_model[1]))
+    yield app
+    app.close()
+
+
+def test_enter_while_a_reply_streams_is_refused_visibly_and_the_message_is_kept(chat_app):
+    """One reply at a time per session: a second Enter is refused with a reason (the page
+    keeps the text in the box), never dropped; once the reply ends, the same text goes."""
+    import asyncio
+
+    from minserve.chat.logic import BUSY
+
+    tab = _Tab("tab-one")
+
+    async def scenario():
+        assert chat_app.take("Tell me a long story", tab) == (True, "`user-tab-on` · sending")
+        stream = chat_app.reply([], 0.0, 64, tab)
+        statuses = [(await anext(stream))[1]]  # "queued": the request is in the engine
+        refused = chat_app.take("and then?", tab)
+        statuses += [status async for _, status in stream]
+        return refused, statuses
+
+    refused, statuses = asyncio.run(scenario())
+    assert refused == (False, f"`user-tab-on` · {BUSY}")
+    assert any(s.endswith(BUSY) for s in statuses[1:-1]), statuses  # said while streaming
+    assert "64 tokens" in statuses[-1] and BUSY not in statuses[-1], statuses[-1]
+    assert chat_app.take("and then?", tab)[0], "after the reply, the next message goes"
+    assert chat_app.take("", _Tab("tab-two")) == (False, "Type a message first.")
+
+
+def test_stop_pressed_before_the_message_is_submitted_still_stops_it(chat_app):
+    """The race behind "one Stop press left a reply streaming for 20 s": Stop came after
+    Enter but before the chat had submitted its request, found no handle, answered
+    "nothing to stop", and the reply then streamed to its end. A turn exists from
+    Enter on, so Stop reaches it: nothing is sent, and Stop says so."""
+    import asyncio
+
+    tab = _Tab("tab-one")
+
+    async def scenario():
+        assert chat_app.take("Tell me a long story", tab)[0]
+        stop = asyncio.ensure_future(chat_app.stop(tab))
+        await asyncio.sleep(0.05)  # Stop is waiting for the turn to end
+        outs = [o async for o in chat_app.reply([], 0.0, 400, tab)]
+        return outs, await stop
+
+    outs, answer = asyncio.run(scenario())
+    history, status = outs[-1]
+    assert history[-1] == {"role": "assistant", "content": STOPPED}, history
+    assert status.endswith("stopped before it was sent") and answer.endswith("before it was sent")
+    assert chat_app.engine.stats()["tokens_generated"] == 0 and not chat_app.handles.get(
+        "user-tab-on")
+    assert chat_app.take("hello again", tab)[0], "the stopped turn does not block the next"
+
+
+def test_a_closed_tab_leaves_the_sessions_table(chat_app):
+    """Closed tabs no longer pile up in the demo's sessions table."""
+    import asyncio
+
+    tabs = [_Tab("tab-one"), _Tab("tab-two")]
+
+    async def one_turn(tab):
+        assert chat_app.take("Hi", tab)[0]
+        return [o async for o in chat_app.reply([], 0.0, 4, tab)]
+
+    for tab in tabs:
+        asyncio.run(one_turn(tab))
+    assert set(chat_app.book.snapshot()) == {"user-tab-on", "user-tab-tw"}
+    chat_app.forget(tabs[0])
+    assert set(chat_app.book.snapshot()) == {"user-tab-tw"}
+    chat_app.book.finished("user-tab-on", chat_app.engine.generate(["x"])[0])  # a late end
+    assert set(chat_app.book.snapshot()) == {"user-tab-tw"}

@@ -75,20 +75,38 @@ def test_reply_streams_into_the_page_beside_the_live_panel(page_url, browser, tm
     page.fill("#msg textarea", "Tell me about Paris in three sentences.")
     page.press("#msg textarea", "Enter")
     bot = page.locator("#chat .bot-row").last
-    lengths, deadline = [], time.monotonic() + 120
+    msg_box, users = page.locator("#msg textarea"), page.locator("#chat .user-row")
+    lengths, deadline, typed, refused = [], time.monotonic() + 120, None, False
     while time.monotonic() < deadline:
         text = bot.inner_text() if page.locator("#chat .bot-row").count() else ""
         waiting = text.strip().startswith("⏳")  # why it waits (engine.explain), no reply yet
         if (text.strip() not in ("", "…") and not waiting
                 and (not lengths or len(text) != lengths[-1])):
             lengths.append(len(text))
+        if len(lengths) == 2 and typed is None:  # the user types while the reply streams
+            msg_box.press_sequentially("and Rome?")
+            typed = len(lengths)
+        if typed and len(lengths) >= typed + 2 and not refused:  # two updates later
+            assert msg_box.input_value() == "and Rome?", "what the user typed was erased"
+            msg_box.press("Enter")  # ... and presses Enter while the reply still streams
+            page.wait_for_function("document.querySelector('#status').innerText"
+                                   ".includes('still streaming')", timeout=15_000)
+            assert msg_box.input_value() == "and Rome?" and users.count() == 1
+            refused = True
         if "tokens in" in page.locator("#status").inner_text():  # the final status line
             break
         time.sleep(0.1)
     final = bot.inner_text()
     assert len(lengths) >= 3 and lengths == sorted(lengths), f"did not stream in: {lengths}"
+    assert refused, f"the reply ended before the test could type into the box: {lengths}"
     assert "Paris" in final, final
     assert "⚠" not in final
+    assert msg_box.input_value() == "and Rome?"
+    img.mkdir(parents=True, exist_ok=True)
+    top, bottom = page.locator("#chat").bounding_box(), page.locator("#status").bounding_box()
+    page.screenshot(path=str(img / "app_kept_text.png"), clip={  # the chat, box and status
+        "x": top["x"], "y": top["y"], "width": top["width"],
+        "height": bottom["y"] + bottom["height"] - top["y"]})
 
     # The panel refreshes by itself (gr.Timer): the tick counter moves on while the flood runs.
     tick0 = page.locator("#summary").inner_text()
@@ -107,4 +125,14 @@ def test_reply_streams_into_the_page_beside_the_live_panel(page_url, browser, tm
         page.wait_for_timeout(1200)
         page.locator(".tabs").first.screenshot(path=str(img / name))
     assert (img / "app.png").stat().st_size > 10_000
+
+    # The kept message goes with the next Enter; Stop ends its reply under the flood.
+    page.get_by_role("tab", name="Queues").click()
+    msg_box.press("Enter")
+    page.wait_for_function("document.querySelectorAll('#chat .user-row').length == 2")
+    assert msg_box.input_value() == ""
+    page.get_by_role("button", name="Stop", exact=True).click()
+    page.wait_for_function("document.querySelector('#status').innerText.trim()"
+                           ".match(/stopped|before it was sent/)", timeout=15_000)
+    assert "stopped" in page.locator("#chat .bot-row").last.inner_text()
     page.close()

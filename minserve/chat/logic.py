@@ -136,14 +136,24 @@ class SessionBook:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.sessions: dict[str, SessionCounters] = {}
+        self.closed: set[str] = set()  # tabs that went away: no row for them any more
 
     def sent(self, session: str) -> None:
         with self._lock:
-            self.sessions.setdefault(session, SessionCounters()).sent += 1
+            if session not in self.closed:
+                self.sessions.setdefault(session, SessionCounters()).sent += 1
+
+    def close(self, session: str) -> None:
+        """The session's tab closed: its row leaves the table (its requests were cancelled)."""
+        with self._lock:
+            self.closed.add(session)
+            self.sessions.pop(session, None)
 
     def finished(self, session: str, output) -> None:
         """Account for a finished request from its `RequestOutput`."""
         with self._lock:
+            if session in self.closed:
+                return
             c = self.sessions.setdefault(session, SessionCounters())
             c.tokens += len(output.token_ids)
             if output.rejection is not None:
@@ -284,8 +294,35 @@ class TickWindow:
         return self.history[i]
 
 
+@dataclasses.dataclass
+class Turn:
+    """One message of one session, from Enter (`ChatApp.take`) to the end of its reply.
+
+    It exists *before* the request is submitted, so a Stop pressed in between is not
+    lost: before this, Stop looked only for submitted handles, and one pressed while the
+    message was on its way (the page busy under the flood) answered "nothing to stop"
+    while the reply then streamed to its end."""
+
+    message: str
+    started: bool = False  # its reply is being produced (`ChatApp.reply` took it)
+    stop_requested: bool = False
+    handle: Any = None  # the engine's handle, once submitted
+    refused_enter: bool = False  # Enter was pressed again while this reply streamed
+    since: float = dataclasses.field(default_factory=time.monotonic)
+
+
+STALE_TURN_S = 30.0  # a taken turn whose reply never started (the tab went away) expires
+BUSY = ("✋ a reply is still streaming: your new message stays in the box; press Enter "
+        "again when this reply ends, or Stop it first")
+
+
 class ChatApp:
-    """The engine, the per-session bookkeeping and the flood: one per app (not global)."""
+    """The engine, the per-session bookkeeping and the flood: one per app (not global).
+
+    A message goes through two steps, so that the page can clear the box only for a
+    message it accepted: `take` (Enter: accept it as the session's turn, or refuse it
+    visibly while a reply streams: one reply at a time per session) and `reply` (stream
+    the turn's reply). `chat` does both in one call: the `/chat` API."""
 
     def __init__(self, engine, history_messages: int = 12) -> None:
         self.engine = engine
@@ -293,6 +330,7 @@ class ChatApp:
         self.book = SessionBook()
         self.noisy = NoisyNeighbour(engine, self.book)
         self.handles: dict[str, set] = {}  # session -> its handles still streaming
+        self.turns: dict[str, Turn] = {}  # session -> its message taken and not yet answered
         self._lock = threading.Lock()
         if engine.trace is None:
             engine.trace = TickWindow()
@@ -304,30 +342,77 @@ class ChatApp:
         sh = getattr(request, "session_hash", None) if request is not None else None
         return f"user-{sh[:6]}" if sh else "user-anonymous"
 
-    async def chat(self, message: str, history: list, temperature: float, max_tokens: int,
-                   request=None):
-        """Stream one reply. Yields (chat history, textbox value, status line)."""
+    def take(self, message: str, request=None) -> tuple[bool, str]:
+        """Enter: accept `message` as this session's turn -> (True, status), or refuse
+        it -> (False, why): empty, or a reply of this session is still streaming."""
         session = self.session_of(request)
-        history = [{"role": m["role"], "content": text_of(m.get("content"))}
-                   for m in (history or [])]
         message = (message or "").strip()
         if not message:
-            yield history, "", "Type a message first."
+            return False, "Type a message first."
+        with self._lock:
+            turn = self.turns.get(session)
+            if turn is not None and (turn.started or time.monotonic() - turn.since < STALE_TURN_S):
+                turn.refused_enter = True
+                return False, f"`{session}` · {BUSY}"
+            self.turns[session] = Turn(message)
+        return True, f"`{session}` · sending"
+
+    async def chat(self, message: str, history: list, temperature: float, max_tokens: int,
+                   request=None):
+        """`take` and `reply` in one call (the `/chat` API). Yields (chat history, textbox
+        value, status line); a refused message stays in the textbox value."""
+        ok, status = self.take(message, request)
+        if not ok:
+            yield plain_history(history), message if (message or "").strip() else "", status
             return
-        history.append({"role": "user", "content": message})
+        async for hist, status in self.reply(history, temperature, max_tokens, request):
+            yield hist, "", status
+
+    async def reply(self, history: list, temperature: float, max_tokens: int, request=None):
+        """Stream the reply to the turn `take` accepted. Yields (chat history, status line);
+        nothing when there is no turn waiting (the chain of a refused Enter)."""
+        session = self.session_of(request)
+        with self._lock:
+            turn = self.turns.get(session)
+            if turn is None or turn.started:
+                return
+            turn.started = True
+        try:
+            async for out in self._stream(turn, session, plain_history(history), temperature,
+                                          max_tokens):
+                yield out
+        finally:
+            with self._lock:
+                if self.turns.get(session) is turn:
+                    del self.turns[session]
+
+    async def _stream(self, turn: Turn, session: str, history: list, temperature: float,
+                      max_tokens: int):
+        def status(text: str) -> str:
+            note = f" · {BUSY}" if turn.refused_enter and not turn.stop_requested else ""
+            return f"`{session}` · {text}{note}"
+
+        history.append({"role": "user", "content": turn.message})
+        if turn.stop_requested:  # Stop came before the message was sent: send nothing
+            history.append({"role": "assistant", "content": STOPPED})
+            yield history, status("stopped before it was sent")
+            return
         prompt = chat_messages(history, self.history_messages)
         params = SamplingParams(max_tokens=int(max_tokens), temperature=float(temperature))
         try:
             handle = self.engine.submit(prompt, params, session_id=session)
         except ValueError as e:  # too long for the model's context, bad settings
             history.append({"role": "assistant", "content": f"{NOTICE}I can't send that: {e}."})
-            yield history, "", f"`{session}` · not sent"
+            yield history, status("not sent")
             return
         self.book.sent(session)
         with self._lock:
             self.handles.setdefault(session, set()).add(handle)
+            turn.handle = handle
+        if turn.stop_requested:  # Stop pressed while it was being submitted
+            handle.cancel()
         history.append({"role": "assistant", "content": "…"})
-        yield history, "", f"`{session}` · {handle.request_id} queued"
+        yield history, status(f"{handle.request_id} queued")
         reply = ""
         events = handle.__aiter__()
         nxt = None
@@ -341,7 +426,7 @@ class ChatApp:
                     why = await asyncio.to_thread(self.engine.explain, handle.request_id)
                     if why["state"] in ("pending", "prefilling") and not reply:
                         history[-1]["content"] = f"⏳ *{why['sentence']}*"
-                        yield history, "", f"`{session}` · {handle.request_id} {why['state']}"
+                        yield history, status(f"{handle.request_id} {why['state']}")
                     continue
                 try:
                     ev = nxt.result()
@@ -352,7 +437,7 @@ class ChatApp:
                 if ev.finish_reason is None:
                     if ev.text:
                         history[-1]["content"] = reply
-                        yield history, "", f"`{session}` · {handle.request_id} streaming"
+                        yield history, status(f"{handle.request_id} streaming")
                     continue
                 out = handle.output
                 self.book.finished(session, out)
@@ -364,7 +449,7 @@ class ChatApp:
                     history[-1]["content"] = (reply + "\n\n" + STOPPED).lstrip()
                 else:
                     history[-1]["content"] = reply
-                yield history, "", f"`{session}` · " + describe_output(out)
+                yield history, f"`{session}` · " + describe_output(out)
                 break
         finally:  # also when the browser went away mid-stream: free the row (H3)
             handle.cancel()
@@ -377,9 +462,13 @@ class ChatApp:
 
     def cancel_session(self, session: str) -> list:
         """Cancel this session's requests: a queued one ends now, a running one is
-        evicted at the next tick (T3). Returns the handles it cancelled."""
+        evicted at the next tick (T3); a turn not yet submitted will not be. Returns the
+        handles it cancelled."""
         with self._lock:
             handles = list(self.handles.get(session, ()))
+            turn = self.turns.get(session)
+            if turn is not None:
+                turn.stop_requested = True
         for h in handles:
             h.cancel()
         return handles
@@ -388,29 +477,47 @@ class ChatApp:
         """The user's Stop button. Answers with the final state, not "stopping": the
         status line shows whichever of this answer and the chat's own last line comes
         last, and for a queued request the chat's comes first (its cancel is immediate)."""
-        import asyncio
-
         session = self.session_of(request)
+        with self._lock:
+            turn = self.turns.get(session)
         handles = self.cancel_session(session)
-        if not handles:
+        if not handles and turn is None:
             return f"`{session}` · nothing to stop"
         end = time.monotonic() + wait_s
-        while not all(h.finished for h in handles) and time.monotonic() < end:
+
+        def settled() -> bool:
+            with self._lock:
+                gone = turn is None or self.turns.get(session) is not turn
+            return gone and all(h.finished for h in handles)
+
+        while not settled() and time.monotonic() < end:
             await asyncio.sleep(0.02)  # a running row leaves at the next tick
+        if turn is not None and turn.handle is not None and turn.handle not in handles:
+            handles.append(turn.handle)
+        if not handles:
+            return f"`{session}` · stopped before it was sent"
         return f"`{session}` · " + " · ".join(
             describe_output(h.output) if h.finished else f"{h.request_id} stopping"
             for h in handles)
 
     def forget(self, request=None) -> None:
-        """The tab closed: cancel what it left running."""
+        """The tab closed: cancel what it left running, and drop its row from the
+        sessions table once its requests have ended (closed tabs do not pile up)."""
         session = self.session_of(request)
         self.cancel_session(session)
         with self._lock:
             self.handles.pop(session, None)
+            self.turns.pop(session, None)
+        self.book.close(session)
 
     def close(self) -> None:
         self.noisy.stop()
         self.engine.stop()
+
+
+def plain_history(history: list | None) -> list[dict[str, str]]:
+    """Gradio's chat history (content as text or as a list of parts) -> plain messages."""
+    return [{"role": m["role"], "content": text_of(m.get("content"))} for m in (history or [])]
 
 
 def describe_output(out) -> str:
