@@ -394,7 +394,7 @@ def main(argv=None) -> int:
     from minserve import Engine
 
     print(f"loading {config.model or 'the embedded SmolLM2-135M-Instruct'} "
-          "(the first run converts it: ~20 s) ...", file=sys.stderr)
+          "(the first run converts it: about 30 s, 517 MB on disk) ...", file=sys.stderr)
     try:
         engine = Engine(config)
     except ValueError as e:

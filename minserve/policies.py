@@ -1,6 +1,6 @@
 """Policies: who runs next (SPEC P).
 
-One interface, five hooks, called by the scheduler at fixed points:
+One interface, seven hooks, called by the scheduler at fixed points:
 
     hook                  when                              FCFS       Fair (VTC)
     on_request_arrived    request enters `pending`          insert     insert; lift counter (P4)

@@ -91,6 +91,13 @@ def main(argv: list[str] | None = None) -> None:
         f"`python -m minserve.bench.long_prompt --prompt-tokens {args.prompt_tokens}` "
         "(one run each):", "", *rows, "", machine_line()])
     publish("long-prompt-stall", md, write=not args.no_docs)
+    if not args.no_docs:  # the figures other pages quote (docs/http_api.md), in one place
+        from .figures import record
+
+        record({(f"long_prompt.{'mixed' if r['mixed'] else 'chunked'}_{r['chunk']}_gap_s"
+                 if r["chunk"] else "long_prompt.monolithic_gap_s"): round(r["max_gap_s"], 2)
+                for r in runs},
+               source=f"python -m minserve.bench.long_prompt --prompt-tokens {args.prompt_tokens}")
 
 
 if __name__ == "__main__":

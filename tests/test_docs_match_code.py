@@ -1,0 +1,133 @@
+"""The docs say what the code has: lists and counts are checked against the code, and
+measured figures quoted in prose come from one place (docs/figures.json).
+
+Each of these once said the opposite of the code: "five hooks" while `policies.py` had
+seven; lesson 07 missing from the lists of lessons; `docs/architecture.md`'s tree
+without `explain.py` or `labs/` and its "~2,000 lines" beside 2,505 counted; the
+6,000-token stall quoted as 23 s on one page and 25.5 s on another.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from minserve.bench import figures
+from minserve.policies import Policy
+
+ROOT = Path(__file__).resolve().parents[1]
+PROSE = [ROOT / "README.md", ROOT / "notebooks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+NUMBERS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten "
+                                      "eleven twelve".split())}
+LESSONS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+LABS = sorted(p.name for p in (ROOT / "notebooks" / "labs").glob("*.ipynb"))
+
+
+def read(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+def hooks() -> list[str]:
+    """The hooks in the table of `minserve/policies.py`'s docstring (its first column)."""
+    doc = ast.get_docstring(ast.parse(read(ROOT / "minserve" / "policies.py")))
+    table = doc.split("\n\n")[2].splitlines()[1:]  # after the header line
+    return [line.split()[0] for line in table if line.strip()]
+
+
+def counted(word: str, files=PROSE + [ROOT / "minserve" / "policies.py"]) -> list[tuple[str, int]]:
+    """(file, n) for every "<number word> <word>" in the prose, e.g. "five hooks"."""
+    found = []
+    for path in files:
+        for m in re.finditer(rf"\b({'|'.join(NUMBERS)})\s+(?:\w+\s+)?{word}\b", read(path), re.I):
+            found.append((path.relative_to(ROOT).as_posix(), NUMBERS[m.group(1).lower()]))
+    return found
+
+
+def test_every_count_of_policy_hooks_is_the_number_policies_py_has():
+    names = hooks()
+    assert len(names) == 7 and all(callable(getattr(Policy, n, None)) for n in names), names
+    said = counted("hooks")
+    assert len(said) >= 4, said  # README, policies.md, spec.md, architecture.md, policies.py
+    assert all(n == len(names) for _, n in said), said
+    table = read(ROOT / "docs" / "policies.md")
+    spec = read(ROOT / "docs" / "spec.md").split("## 3. Policies")[1].split("**P1**")[0]
+    for name in names:
+        assert f"| `{name}` |" in table, f"docs/policies.md's table lacks {name}"
+        assert f"`{name}`" in spec, f"docs/spec.md's policy section lacks {name}"
+
+
+@pytest.mark.parametrize("page", ["docs/inspecting.md", "docs/spec.md"])
+def test_every_lesson_is_in_the_docs_lists_of_lessons(page):
+    text = read(ROOT / page)
+    assert len(LESSONS) >= 7
+    missing = [n for n in LESSONS if n not in text]
+    assert not missing, f"{page} does not list {missing}"
+
+
+def test_the_counts_of_lessons_and_labs_are_the_files_there():
+    lessons = [n for f, n in counted("(?:short\\s+)?notebooks") + counted("lessons")]
+    labs = [n for f, n in counted("(?:classroom\\s+)?labs")]
+    assert lessons and all(n == len(LESSONS) for n in lessons), (lessons, LESSONS)
+    assert labs and all(n == len(LABS) for n in labs), (labs, LABS)
+    teaching = read(ROOT / "docs" / "teaching.md")
+    assert not [n for n in LABS if n.removesuffix(".ipynb") not in teaching]
+
+
+def test_the_architecture_tree_and_the_readme_name_every_module():
+    """docs/architecture.md's tree has every module and subpackage of minserve/; the
+    README's layout table has every core module (a file at the package top)."""
+    tree = read(ROOT / "docs" / "architecture.md").split("```")[1]
+    readme = read(ROOT / "README.md")
+    pkg = ROOT / "minserve"
+    tops = [p.name for p in pkg.glob("*.py") if p.name != "__init__.py"]
+    subpackages = [p.name + "/" for p in pkg.iterdir() if (p / "__init__.py").exists()]
+    missing = [n for n in tops + subpackages if n not in tree]
+    assert not missing, f"docs/architecture.md's tree lacks {missing}"
+    core = [n for n in tops if n != "__main__.py"]
+    assert not [n for n in core if f"minserve/{n}" not in readme], "README's layout table"
+    assert not [n for n in subpackages if f"minserve/{n}" not in readme], "README's layers"
+
+
+def _core_size() -> tuple[int, int]:
+    spec = importlib.util.spec_from_file_location("core_size", ROOT / "scripts" / "core_size.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.core_size()
+
+
+def test_the_core_line_counts_in_the_docs_are_a_fresh_count_rounded():
+    """Every marked line count agrees with scripts/core_size.py run now, at the precision
+    the prose chose (so "2,500" survives a small edit; "~2,000" does not survive 2,505)."""
+    fresh = dict(zip(("core.code_lines", "core.all_lines"), _core_size()))
+    quoted = [(p, m) for p in PROSE for m in figures.MARKED.finditer(read(p))
+              if m["name"] in fresh]
+    assert len(quoted) >= 3, quoted  # README (code, all), docs/architecture.md
+    bad = [f"{p.name}: {m['num']} vs {fresh[m['name']]} counted" for p, m in quoted
+           if figures.render(fresh[m["name"]], m["num"]) != m["num"]]
+    assert not bad, bad + ["run `python scripts/core_size.py --write`"]
+
+
+def test_every_marked_figure_in_the_prose_is_the_one_in_docs_figures_json():
+    assert figures.disagreements() == [], "python -m minserve.bench.figures sync"
+    marked = {m["name"] for p in PROSE for m in figures.MARKED.finditer(read(p))}
+    assert {"long_prompt.monolithic_gap_s", "make_test.minutes", "core.code_lines"} <= marked
+    assert all("source" in f for f in figures.load().values())
+
+
+def test_the_figure_check_catches_a_stale_number_and_sync_repairs_it(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "figures.json").write_text('{"stall": {"value": 25.52, "source": "x"},'
+                                                    ' "lines": {"value": 2505, "source": "y"}}')
+    page = tmp_path / "docs" / "a.md"
+    page.write_text("froze for 23<!-- fig:stall --> s, then 25.5<!-- fig:stall --> s; "
+                    "about 2,000<!-- fig:lines --> lines, ~3<!-- fig:nope --> x")
+    bad = figures.disagreements(tmp_path, tmp_path / "docs" / "figures.json")
+    assert len(bad) == 3 and "23 <- fig:stall" in bad[0] and "fig:nope" in bad[2], bad
+    figures.sync(tmp_path, tmp_path / "docs" / "figures.json")
+    assert page.read_text().startswith("froze for 26<!-- fig:stall --> s, then 25.5<!--")
+    assert "about 2,500<!-- fig:lines -->" in page.read_text()
+    assert figures.render(1.73, "2") == "2" and figures.render(8.25, "7.5") == "8.2"
