@@ -423,3 +423,20 @@ def test_tick_times_draws_every_ticks_wall_time_coloured_by_what_it_ran(traces):
     assert list(line.y) == [1000 * r.duration_s for r in trace.ticks]
     assert list(line.marker.color) == [style.PREFILL if r.prefill.chunks else style.REAL
                                        for r in trace.ticks]
+
+
+def test_the_stepper_clears_subplot_titles_when_the_batch_figure_empties():
+    """The stepper redraws its FigureWidgets in place; the browser merges a new layout
+    into the old one, so a padded batch's two subplot titles stayed over the empty-batch
+    figure. `redraw` resets, in the message the browser gets, what the new layout lacks."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    from minserve.inspection.stepper import redraw
+
+    fw = go.FigureWidget(make_subplots(rows=2, cols=1, subplot_titles=("mask", "positions")))
+    sent: list[dict] = []
+    fw._send_relayout_msg = lambda data, source_view_id=None: sent.append(dict(data))
+    redraw(fw, viz.style.empty("tick 9: the padded decode batch is empty"))
+    assert sent and sent[0].get("annotations") == [], sent  # before the new layout
+    assert not fw.layout.annotations and fw.layout.title.text.startswith("tick 9")

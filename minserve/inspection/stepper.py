@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import html
 import random
+import re
 from typing import Any
 
 import plotly.graph_objects as go
@@ -294,10 +295,7 @@ class Stepper:
             fw = self._figs.get(name)
             if fw is None:
                 continue
-            with fw.batch_update():
-                fw.data = ()
-                fw.add_traces(list(fig.data))
-                fw.layout = fig.layout
+            redraw(fw, fig)
 
     def _build(self):
         import ipywidgets as w
@@ -372,3 +370,19 @@ def _requests_html(rows: list[dict[str, Any]], text: bool) -> str:
     return ("<div style='max-height:170px;overflow-y:auto;font-size:12px'>"
             "<table style='border-collapse:collapse' cellpadding='2'>"
             + head + "".join(body) + "</table></div>")
+
+
+def redraw(fw: go.FigureWidget, fig: go.Figure) -> None:
+    """Show `fig` in the widget `fw`, in place. A new layout reaches the browser as a
+    relayout, which *merges*: what the old layout had and the new one lacks (the two
+    subplot titles and second axes of a padded batch, when the batch empties) stayed,
+    drawn over the empty figure's title. So those are emptied first, explicitly."""
+    gone = set(fw.layout.to_plotly_json()) - set(fig.layout.to_plotly_json())
+    resets = {key: [] for key in gone & {"annotations", "shapes", "images"}}
+    resets |= {f"{key}.visible": False for key in gone if re.fullmatch(r"[xy]axis\d+", key)}
+    if resets:
+        fw.plotly_relayout(resets)
+    with fw.batch_update():
+        fw.data = ()
+        fw.add_traces(list(fig.data))
+        fw.layout = fig.layout
