@@ -440,3 +440,20 @@ def test_the_stepper_clears_subplot_titles_when_the_batch_figure_empties():
     redraw(fw, viz.style.empty("tick 9: the padded decode batch is empty"))
     assert sent and sent[0].get("annotations") == [], sent  # before the new layout
     assert not fw.layout.annotations and fw.layout.title.text.startswith("tick 9")
+
+
+def test_sessions_of_one_figure_get_distinct_colours_even_when_their_ids_hash_alike():
+    """Two demo tabs ("user-" + a session hash) once drew in one colour: ids whose hash
+    picks the same palette entry now get the next free one, in a fixed order."""
+    from minserve.inspection.viz import style
+
+    by_colour: dict[str, list[str]] = {}
+    for i in range(50):
+        by_colour.setdefault(style.session_color(f"user-{i:06x}"), []).append(f"user-{i:06x}")
+    a, b = next(ids for ids in by_colour.values() if len(ids) >= 2)[:2]
+    assert style.session_color(a) == style.session_color(b)
+    for order in ([a, b, "alice"], ["alice", b, a]):
+        colours = style.session_colors(sessions=order)
+        assert len(set(colours.values())) == 3, colours
+        assert colours == style.session_colors(sessions=[a, b, "alice"])  # order-free
+    assert colours["alice"] == style.session_color("alice")  # the cast keeps its colour

@@ -27,8 +27,9 @@ DONE = "#333333"  # finished
 # as "prefill" or "decoding". A session keeps its colour in every figure of a notebook:
 # the colour is a function of the session id alone, never of arrival order.
 SESSION_PALETTE = ("#8e6cbd", "#17a2a2", "#d45c9e", "#8c6d31", "#a6a21a", "#7a1f5c", "#5b6b7f")
-# The lessons' cast gets fixed, distinct colours; any other id takes one from a hash of it
-# (stable everywhere, but two ids may then share a colour).
+# The lessons' cast gets fixed, distinct colours; any other id takes one from a hash of it,
+# moved on to the next free colour when another session of the same figure has it (two
+# demo users once shared a colour).
 CAST = {"alice": 0, "bob": 1, "carol": 2, "dave": 3, "erin": 4, "default": 6}
 
 TEMPLATE = "plotly_white"
@@ -49,12 +50,25 @@ def session_color(session: str) -> str:
 
 def session_colors(trace: Trace | None = None, sessions: list[str] | None = None) -> dict[str, str]:
     """Session -> colour for the sessions of a trace (order of first arrival) and/or
-    `sessions`. Each colour is `session_color(session)`: the same in every figure."""
+    `sessions`: distinct while the palette lasts. Each session takes
+    `session_color(session)` unless another session of the figure already has it; then
+    the next free colour, the sessions taken in a fixed order (the cast, then by id), so
+    the same sessions get the same colours in every figure, whatever their arrival."""
     names: list[str] = []
     if trace is not None:
         names += [s for rid in trace.request_ids() if (s := trace.session_of(rid)) is not None]
     names += list(sessions or [])
-    return {s: session_color(s) for s in dict.fromkeys(names)}
+    names = list(dict.fromkeys(names))
+    taken: dict[str, str] = {}
+    for s in sorted(names, key=lambda x: (x not in CAST, x)):
+        color = session_color(s)
+        if color in taken.values() and len(taken) < len(SESSION_PALETTE):
+            start = SESSION_PALETTE.index(color)
+            color = next(c for i in range(len(SESSION_PALETTE))
+                         if (c := SESSION_PALETTE[(start + i) % len(SESSION_PALETTE)])
+                         not in taken.values())
+        taken[s] = color
+    return {s: taken[s] for s in names}
 
 
 def short_id(request_id: str) -> str:
