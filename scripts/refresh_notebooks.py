@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/refresh_notebooks.py          # every notebook under notebooks/
     .venv/bin/python scripts/refresh_notebooks.py 04 05    # those whose name starts so
+    .venv/bin/python scripts/refresh_notebooks.py --time-only 07   # run and time, write nothing
 
 Each notebook is executed with nbclient in a kernel of this Python, then written
 back diff-friendly:
@@ -13,6 +14,10 @@ back diff-friendly:
   (a hidden cell that asserts a claim of the text): nbval does not compare them, and a
   figure's output embeds plotly.js.
 * no stderr, no execution timing; printed output stays, because nbval compares it.
+
+Each lesson's run time (top to bottom, in a fresh kernel) is recorded in
+docs/figures.json as `notebooks.NN.run_s`, with the machine's load average at the
+time; notebooks/README.md quotes it from there (minserve/bench/figures.py).
 
 Run it after changing the engine or a lesson, look at the diff, commit.
 """
@@ -28,7 +33,7 @@ NOTEBOOKS = ROOT / "notebooks"
 UNSTORED = {"nbval-ignore-output", "check"}  # cell tags whose output is never stored
 
 
-def refresh(path: Path) -> None:
+def refresh(path: Path, write: bool = True) -> None:
     import nbformat
     from nbclient import NotebookClient
 
@@ -47,19 +52,34 @@ def refresh(path: Path) -> None:
         if errs:
             raise RuntimeError(f"{path.name}: a cell wrote to stderr (silence it in the "
                                f"lesson):\n{''.join(cell.source)[:200]}\n{errs[0]['text'][:500]}")
-    nbformat.write(nb, path)
+    if write:
+        nbformat.write(nb, path)
 
 
 def main(argv: list[str]) -> int:
+    import os
+
+    write = "--time-only" not in argv
+    argv = [a for a in argv if a != "--time-only"]
     paths = sorted(NOTEBOOKS.rglob("*.ipynb"))
     paths = [p for p in paths if ".ipynb_checkpoints" not in p.parts]
     if argv:
         paths = [p for p in paths if any(p.name.startswith(a) for a in argv)]
+    times = {}
     for path in paths:
+        load = os.getloadavg()[0]
         t0 = time.perf_counter()
-        refresh(path)
-        print(f"{path.relative_to(ROOT)}: {time.perf_counter() - t0:.1f} s, "
-              f"{path.stat().st_size / 1024:.0f} KB")
+        refresh(path, write)
+        seconds = time.perf_counter() - t0
+        print(f"{path.relative_to(ROOT)}: {seconds:.1f} s, {path.stat().st_size / 1024:.0f} KB")
+        if path.parent == NOTEBOOKS and path.name[:2].isdigit():
+            times[f"notebooks.{path.name[:2]}.run_s"] = (round(seconds, 1), load)
+    sys.path.insert(0, str(ROOT))
+    from minserve.bench.figures import record
+
+    for name, (seconds, load) in times.items():
+        record({name: seconds}, source=f"scripts/refresh_notebooks.py ({os.cpu_count()} CPUs, "
+                                       f"load average {load:.1f} at the start)")
     return 0
 
 
