@@ -350,10 +350,15 @@ def build_app(engine, *, history_messages: int = 12, panel_interval: float = 1.0
 
 
 def launch(demo: gr.Blocks, host: str = "127.0.0.1", port: int = 7860, **kw):
-    """Start serving; with `prevent_thread_lock=True` (tests) it returns at once."""
+    """Start serving; with `prevent_thread_lock=True` (tests) it returns at once. Gradio
+    itself stays quiet (its hint to `share=True` would offer a public tunnel to a demo
+    that is loopback-only by design); the page's address is printed here."""
     demo.queue(default_concurrency_limit=None)
+    quiet = kw.pop("quiet", False)
+    if not quiet:
+        print(f"minserve chat on http://{host}:{port}  (Ctrl+C stops it)", flush=True)
     return demo.launch(server_name=host, server_port=port, theme=THEME, show_error=True,
-                       quiet=kw.pop("quiet", False), **kw)
+                       quiet=True, **kw)
 
 
 # ------------------------------------------------------------------ command line

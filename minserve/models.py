@@ -106,13 +106,22 @@ def resolve_device(device: str) -> torch.device:
 def load_model(name: str | None, dtype: str = "float32", device: str = "auto"):
     """(model, tokenizer) for a config's `model` field, in eval mode on `device`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     target = resolve_device(device)  # first: a wrong device fails before the model loads
     path = str(embedded_model_dir()) if name is None else name
     torch_dtype = getattr(torch, dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    # sdpa is the default attention; say it so the oracle and the engine agree.
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+    # sdpa is the default attention; say it so the oracle and the engine agree. No
+    # "Loading weights" bar: it takes a blink and cluttered every start of the demo.
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
+                                                     attn_implementation="sdpa")
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     return model.to(target).eval(), tokenizer
 
 

@@ -337,6 +337,10 @@ def test_python_app_py_serves_two_concurrent_chats_on_the_embedded_model(tmp_pat
             texts = [reply_of(o) for o in job.outputs() if reply_of(o) not in ("", "…")]
             assert len(texts) > 1 and texts[-1] and not texts[-1].startswith(NOTICE)
         assert "Paris" in reply_of(jobs[0].outputs()[-1])
+        printed = (tmp_path / "app.log").read_text()
+        assert f"http://127.0.0.1:{port}" in printed, printed  # where to point the browser
+        # ... and no clutter: Gradio's share=True hint, transformers' weight-loading bar
+        assert "share=True" not in printed and "Loading weights" not in printed, printed
     finally:
         proc.terminate()
         proc.wait(30)
