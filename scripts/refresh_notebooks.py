@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/refresh_notebooks.py          # every notebook under notebooks/
     .venv/bin/python scripts/refresh_notebooks.py 04 05    # those whose name starts so
-    .venv/bin/python scripts/refresh_notebooks.py --time-only 07   # run and time, write nothing
+    .venv/bin/python scripts/refresh_notebooks.py --time-only --record-times   # time them
 
 Each notebook is executed with nbclient in a kernel of this Python, then written
 back diff-friendly:
@@ -15,9 +15,11 @@ back diff-friendly:
   figure's output embeds plotly.js.
 * no stderr, no execution timing; printed output stays, because nbval compares it.
 
-Each lesson's run time (top to bottom, in a fresh kernel) is recorded in
-docs/figures.json as `notebooks.NN.run_s`, with the machine's load average at the
-time; notebooks/README.md quotes it from there (minserve/bench/figures.py).
+`--time-only` runs and times them, writing no notebook; `--record-times` records each
+lesson's run time (top to bottom, in a fresh kernel) in docs/figures.json as
+`notebooks.NN.run_s`, with the machine's load average at the start, and rewrites the
+times notebooks/README.md quotes (minserve/bench/figures.py). On a busy machine the
+times are not the ones a student meets: record them on a quiet one.
 
 Run it after changing the engine or a lesson, look at the diff, commit.
 """
@@ -59,8 +61,8 @@ def refresh(path: Path, write: bool = True) -> None:
 def main(argv: list[str]) -> int:
     import os
 
-    write = "--time-only" not in argv
-    argv = [a for a in argv if a != "--time-only"]
+    write, times_wanted = "--time-only" not in argv, "--record-times" in argv
+    argv = [a for a in argv if a not in ("--time-only", "--record-times")]
     paths = sorted(NOTEBOOKS.rglob("*.ipynb"))
     paths = [p for p in paths if ".ipynb_checkpoints" not in p.parts]
     if argv:
@@ -72,7 +74,7 @@ def main(argv: list[str]) -> int:
         refresh(path, write)
         seconds = time.perf_counter() - t0
         print(f"{path.relative_to(ROOT)}: {seconds:.1f} s, {path.stat().st_size / 1024:.0f} KB")
-        if path.parent == NOTEBOOKS and path.name[:2].isdigit():
+        if times_wanted and path.parent == NOTEBOOKS and path.name[:2].isdigit():
             times[f"notebooks.{path.name[:2]}.run_s"] = (round(seconds, 1), load)
     sys.path.insert(0, str(ROOT))
     from minserve.bench.figures import record
