@@ -277,3 +277,30 @@ def test_lesson_01_in_jupyterlab_the_stepper_answers_its_first_click_and_every_f
     bad = [line for line in console if "anywidget" in line.lower() and "fail" in line.lower()
            or line.startswith("pageerror") or "404" in line]  # 404: a picture that is not there
     assert not bad, bad
+
+
+def test_a_missing_browser_is_reported_loudly_at_the_end_of_the_run():
+    """Without /usr/bin/chromium the browser tests skip, and the run's last lines say so
+    (with the command that fixes it), instead of one more `s` among hundreds of dots."""
+    from tests.conftest import pytest_terminal_summary
+
+    class Report:
+        longrepr = ("tests/test_app_browser.py", 1, "Skipped: needs Debian's chromium ...")
+
+    class Reporter:
+        stats = {"skipped": [Report(), Report()]}
+        lines: list[str] = []
+
+        def write_sep(self, sep, title, **kw):
+            self.lines.append(title)
+
+        def write_line(self, line, **kw):
+            self.lines.append(line)
+
+    reporter = Reporter()
+    pytest_terminal_summary(reporter)
+    assert "2 BROWSER TEST(S) SKIPPED" in reporter.lines[0]
+    assert "sudo apt-get install -y chromium" in reporter.lines[1]
+    reporter.stats, reporter.lines = {"skipped": []}, []
+    pytest_terminal_summary(reporter)
+    assert reporter.lines == []
