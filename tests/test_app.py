@@ -363,9 +363,11 @@ def test_a_waiting_user_is_told_why_instead_of_a_spinner(serve):
     client = Client(url, verbose=False)
     client.predict(1, 1, 512, 60, api_name="/flood_start")  # holds the only row
     assert wait_for(lambda: engine.stats()["queues"]["active"] == 1)
+    engine.stop()  # ... and keeps it: on a busy machine its 512 tokens could end first
     job = client.submit("Hello there", [], 0.0, 8, api_name="/chat")
     said = lambda: [reply_of(o) for o in job.outputs()]  # noqa: E731
     assert wait_for(lambda: any("batch is full (1/1 rows)" in t for t in said())), said()
+    engine.start()
     waiting = next(o for o in job.outputs() if "batch is full" in reply_of(o))
     assert reply_of(waiting).startswith("⏳") and waiting[2].endswith("pending"), waiting
     client.predict(api_name="/flood_stop")

@@ -102,11 +102,6 @@ def test_reply_streams_into_the_page_beside_the_live_panel(page_url, browser, tm
     assert "Paris" in final, final
     assert "⚠" not in final
     assert msg_box.input_value() == "and Rome?"
-    img.mkdir(parents=True, exist_ok=True)
-    top, bottom = page.locator("#chat").bounding_box(), page.locator("#status").bounding_box()
-    page.screenshot(path=str(img / "app_kept_text.png"), clip={  # the chat, box and status
-        "x": top["x"], "y": top["y"], "width": top["width"],
-        "height": bottom["y"] + bottom["height"] - top["y"]})
 
     # The panel refreshes by itself (gr.Timer): the tick counter moves on while the flood runs.
     tick0 = page.locator("#summary").inner_text()

@@ -266,6 +266,15 @@ def test_lesson_01_in_jupyterlab_the_stepper_answers_its_first_click_and_every_f
         stepper.locator(".widget-button", has_text="add request").click()
         page.wait_for_function("document.querySelectorAll('.widget-vbox table tr').length >= 5")
         assert "req-3" in table.inner_text()
+        # a fresh engine: the batch figure empties in place, and the padded batch's two
+        # subplot titles go with it (they once stayed, over the empty figure's title)
+        stepper.locator(".widget-button", has_text="reset").click()
+        page.wait_for_function("[...document.querySelectorAll('.widget-vbox .gtitle')]"
+                               ".some(e => e.textContent.includes('batch is empty'))")
+        stale = stepper.locator(".annotation-text", has_text="attention_mask")
+        assert stale.count() == 0, "the empty batch figure still shows the subplot titles"
+        img.mkdir(parents=True, exist_ok=True)
+        stepper.screenshot(path=str(img / "stepper_reset.png"))
         # what autosave would do two minutes later, now: File > Save
         _dismiss_dialogs(page)
         page.keyboard.press("Control+s")

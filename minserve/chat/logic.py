@@ -405,6 +405,7 @@ class ChatApp:
             history.append({"role": "assistant", "content": f"{NOTICE}I can't send that: {e}."})
             yield history, status("not sent")
             return
+        handle.wait_for_worker()  # the page's event loop never runs a forward itself
         self.book.sent(session)
         with self._lock:
             self.handles.setdefault(session, set()).add(handle)
