@@ -273,8 +273,9 @@ def test_lesson_01_in_jupyterlab_the_stepper_answers_its_first_click_and_every_f
                                ".some(e => e.textContent.includes('batch is empty'))")
         stale = stepper.locator(".annotation-text", has_text="attention_mask")
         assert stale.count() == 0, "the empty batch figure still shows the subplot titles"
-        img.mkdir(parents=True, exist_ok=True)
-        stepper.screenshot(path=str(img / "stepper_reset.png"))
+        page.set_viewport_size({"width": WINDOW["width"], "height": 1800})
+        stepper.locator(".js-plotly-plot").last.screenshot(path=str(img / "stepper_empty.png"))
+        page.set_viewport_size(WINDOW)
         # what autosave would do two minutes later, now: File > Save
         _dismiss_dialogs(page)
         page.keyboard.press("Control+s")
