@@ -13,7 +13,7 @@ TORCH   ?= torch==2.13.0
 ARGS    ?=
 NB_PORT ?= 8888
 
-.PHONY: setup browser demo demo-cli serve notebooks notebooks-reset test test-fast screenshots lint clean labs lab-check
+.PHONY: setup browser demo demo-cli serve notebooks notebooks-reset test test-fast screenshots lint clean labs lab-check peers-bench
 
 setup: $(STAMP)
 
@@ -74,6 +74,13 @@ labs: setup          # otter assign: student versions + autograders into build/l
 
 lab-check: setup     # every solution passes all checks; every student version, stubs as shipped, fails them
 	$(BIN)/python -m pytest -q tests/test_labs.py
+
+# Not part of `make test`: installs vLLM's CPU build into .peers/vllm (~1.5 GB, minutes),
+# then starts minserve, vLLM and `transformers serve` one at a time on the same model and
+# writes the table into docs/benchmarks.md (about an hour on 2 cores; run it on a quiet machine).
+peers-bench: setup
+	bash scripts/peers_setup.sh .peers/vllm
+	$(BIN)/python -m minserve.bench.side_by_side --write $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check minserve tests app.py

@@ -29,6 +29,7 @@ from typing import Any, Union
 
 import torch
 
+from .backends.base import refuse_unsupported
 from .backends.padded import PaddedBackend
 from .config import EngineConfig
 from .fair import FairPolicy
@@ -80,6 +81,7 @@ class Engine:
         # backend (it IS its KV), or the padded backend with prefix caching on.
         from .kv_cache import BlockManager
 
+        refuse_unsupported(model, config.backend, self.max_model_len)  # before any allocation
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         storage = None
         if config.backend == "paged" or config.enable_prefix_caching:
@@ -89,7 +91,7 @@ class Engine:
         if config.backend == "paged":
             from .backends.paged import PagedBackend
 
-            backend = PagedBackend(model, self.block_manager, storage)
+            backend = PagedBackend(model, self.block_manager, storage, self.max_model_len)
         else:
             backend = PaddedBackend(model, storage=storage)
             backend.block_manager = self.block_manager

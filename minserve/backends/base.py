@@ -41,6 +41,45 @@ import torch
 from ..request import Request
 
 
+def unsupported_features(model_config: Any, backend: str, max_model_len: int) -> list[str]:
+    """What a backend cannot compute for a model, in words (empty: it runs token-exact).
+
+    The Llama family and its look-alikes (Qwen2/3, Phi3, Gemma, Olmo2, Granite) run on
+    both backends (tests/test_architectures.py). Two attention variants are not built:
+
+    * a sliding window smaller than the context, on both backends: a query at position
+      p may see only keys p-W+1..p (HF's rule). The paged backend's attention is plain
+      causal, and HF's cache keeps only the last W-1 tokens of a windowed layer, which
+      the padded backend's row splicing cannot line up. A window of at least
+      `max_model_len` hides nothing (no row gets longer: the engine refuses
+      prompt + max_tokens > max_model_len), so that case runs as is (Mistral's 4096);
+    * attention logit soft-capping (Gemma2's `tanh(s / c) * c` on every score), on the
+      paged backend (the padded one runs HF's own attention, which applies it).
+    """
+    found = []
+    window = getattr(model_config, "sliding_window", None)
+    layer_types = getattr(model_config, "layer_types", None) or []
+    windowed = window is not None and (not layer_types or "sliding_attention" in layer_types)
+    if windowed and window < max_model_len:
+        found.append(f"sliding-window attention (sliding_window={window} < max_model_len="
+                     f"{max_model_len}; pass max_model_len <= {window} to run it)")
+    softcap = getattr(model_config, "attn_logit_softcapping", None)
+    if softcap and backend == "paged":
+        found.append(f"attention logit soft-capping (attn_logit_softcapping={softcap}; "
+                     "use backend='padded')")
+    return found
+
+
+def refuse_unsupported(model: torch.nn.Module, backend: str, max_model_len: int | None) -> None:
+    """Raise at construction, naming the feature, if `backend` cannot run `model`:
+    an unsupported pair fails at once instead of on every row at run time."""
+    context = max_model_len or int(model.config.max_position_embeddings)
+    missing = unsupported_features(model.config, backend, context)
+    if missing:
+        raise ValueError(f"backend={backend!r} cannot run {type(model).__name__}: it needs "
+                         f"{' and '.join(missing)}")
+
+
 class Backend(ABC):
     name: str = "base"
     supports_mixed_batch: bool = False  # forward_mixed is built (EngineConfig checks it)

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from ..kv_cache import BlockManager
 from ..request import Request
-from .base import Backend
+from .base import Backend, refuse_unsupported
 from .kv_storage import KVBlockStorage
 
 PAGED_ATTN_IMPL = "minserve_paged"  # the name in transformers' AttentionInterface
@@ -153,9 +153,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
-    if kwargs.get("sliding_window") or kwargs.get("softcap"):
-        raise NotImplementedError("paged attention here is plain causal attention (Llama "
-                                  "family); use backend='padded' for sliding window / softcap")
+    # A sliding window reaches here only when it is at least the context (checked at
+    # construction by `base.refuse_unsupported`): then it hides nothing and plain causal
+    # attention is exact. Soft-capping never reaches here (refused there too).
     B, H, T, D = query.shape
     H_kv = key.shape[1]
     layer = module.layer_idx
@@ -240,8 +240,9 @@ class PagedBackend(Backend):
     supports_batched_prefill = True
 
     def __init__(self, model: torch.nn.Module, block_manager: BlockManager,
-                 storage: KVBlockStorage | None = None) -> None:
+                 storage: KVBlockStorage | None = None, max_model_len: int | None = None) -> None:
         bm = block_manager
+        refuse_unsupported(model, "paged", max_model_len)
         self.storage = storage or KVBlockStorage.for_model(model, bm.num_blocks, bm.block_size)
         if (self.storage.num_blocks, self.storage.block_size) != (bm.num_blocks, bm.block_size):
             raise ValueError(f"storage is {self.storage.num_blocks} x {self.storage.block_size}, "

