@@ -78,8 +78,8 @@ def test_a_real_minserve_serve_is_started_driven_over_http_and_stopped(tiny_mode
     import psutil
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    assert main(["--peers", "minserve", "--model", tiny_model_dir, "--rates", "4,8",
-                 "--capacity-rates", "4,8", "-d", "1", "--min-requests", "4",
+    assert main(["--peers", "minserve", "--model", tiny_model_dir, "--no-phenomena",
+                 "--rates", "4,8", "--capacity-rates", "4,8", "-d", "1", "--min-requests", "4",
                  "--out-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| minserve |"))

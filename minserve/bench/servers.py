@@ -64,13 +64,13 @@ def minserve_command(model_dir: str | None, port: int, extra: list[str] | None =
     return ServerCommand("minserve", argv + list(extra or []), port, start_timeout_s=300)
 
 
-def vllm_command(model_dir: str, port: int, venv: str | Path,
-                 max_model_len: int = 4096, kv_space_gib: int = 2) -> ServerCommand:
+def vllm_command(model_dir: str, port: int, venv: str | Path, max_model_len: int = 4096,
+                 kv_space_gib: int = 2, extra: list[str] | None = None) -> ServerCommand:
     """vLLM's CPU build from its own venv. KV space 2 GiB, fp32, context 4096."""
     python = str(Path(venv) / "bin" / "python")
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--dtype", "float32", "--max-model-len", str(max_model_len),
-            "--host", "127.0.0.1", "--port", str(port)]
+            "--host", "127.0.0.1", "--port", str(port), *(extra or [])]
     return ServerCommand("vLLM CPU", argv, port, {"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib)})
 
 

@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-venv", default=".peers/vllm", help="made by scripts/peers_setup.sh")
     p.add_argument("--minserve-args", default="", help="extra `minserve serve` flags")
     p.add_argument("--out-dir", default="bench-results/side-by-side", help="server logs")
+    p.add_argument("--no-phenomena", dest="phenomena", action="store_false",
+                   help="skip the lessons' two phenomena on minserve and vLLM (phenomena.py)")
     p.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     args = p.parse_args(argv)
     bad = [x for x in args.peers if x not in PEERS]
@@ -218,6 +220,30 @@ def main(argv: list[str] | None = None) -> int:
 
             run_at(low)  # warm-up (vLLM and torch compile or allocate on first use)
             results[cmd.name] = sweep(run_at, [low, high], cap_rates)
+    lessons = ""
+    if args.phenomena and {"minserve", "vllm"} & set(args.peers):
+        from . import phenomena
+
+        print("== the lessons' phenomena, server by server and setting by setting", flush=True)
+        makers = {}
+        if "minserve" in args.peers:
+            makers["minserve"] = lambda extra: minserve_command(
+                model_dir, free_port(), args.minserve_args.split() + extra)
+        if "vllm" in args.peers:
+            makers["vLLM CPU"] = lambda extra: vllm_command(
+                model_dir, free_port(), args.vllm_venv, extra=extra)
+        figs = phenomena.run_all(makers, tok, args.out_dir)
+        lessons = f"""
+**Two lessons' phenomena on both engines** (`minserve/bench/phenomena.py`). Lesson 03:
+a {phenomena.PREFIX_TOKENS}-token prefix sent twice with different {phenomena.SUFFIX_TOKENS}-token
+endings, one request at a time (the second one's TTFT drops when its prefix's KV is
+reused). Lesson 06: a short chat streams {phenomena.STREAM_TOKENS} tokens; {phenomena.LONG_AFTER_S:g} s
+in, a {phenomena.LONG_PROMPT_TOKENS}-token prompt arrives (the stream's worst gap between two
+tokens is the stall). Prompts as token ids to /v1/completions; each setting is a server
+restarted with that flag.
+
+{phenomena.table(figs)}
+"""
     minutes = (time.perf_counter() - t_all) / 60
     w = chat_service(tok, low, args.duration_s, args.seed, args.min_requests)
     md = f"""## Side by side over HTTP: minserve, vLLM CPU, Hugging Face's server
@@ -241,7 +267,7 @@ rate of {', '.join(f'{r:g}' for r in cap_rates)} req/s, tried upwards, at which 
 {table(results, low, high)}
 
 {ratios(results, low, high)}
-"""
+{lessons}"""
     publish(SECTION, md, args.write)
     return 0
 
