@@ -269,7 +269,12 @@ class Engine:
                     continue
                 self.step()
             except Exception as e:  # keep serving: fail the rows in flight, report the error
-                self.recover(e)
+                try:
+                    self.recover(e)
+                except Exception as e2:  # never let the worker die (issue 23)
+                    from .scheduler import log
+
+                    log.error("recovering from a failed tick raised too", exc_info=e2)
 
     def recover(self, exc: BaseException) -> int:
         """What the worker does when a tick raises outside any one row (a policy's

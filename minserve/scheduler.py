@@ -171,7 +171,7 @@ class Scheduler:
         """
         rec = AdmitRecord()
         with self.lock, self.queue_lock:
-            while (head := self.policy.peek_next()) is not None:
+            while (head := self._policy_call("peek_next")) is not None:
                 req, rejection = head, self._run_gates(head)
                 if rejection is None or not rejection.hard:
                     capped = self._session_cap(head)
@@ -186,10 +186,19 @@ class Scheduler:
                     self.kv_admit_blocked[rejection.gate] += 1
                     rec.held = {"request_id": req.request_id, "rejection": rejection.to_dict()}
                     break
-                if req is head:
-                    self.policy.pick_next()
-                else:
-                    self.policy.pick(req)
+                try:
+                    if req is head:
+                        self.policy.pick_next()
+                    else:
+                        self.policy.pick(req)
+                except Exception as e:  # the policy failed to hand it over (issue 23)
+                    self._note_hook_error("pick", e)
+                    if any(r is req for r in self.policy):
+                        break  # it keeps its place: next tick tries again; running rows go on
+                    self._note_row_error(req, "the policy's pick", e)  # taken out, not admitted
+                    self._finish(req, FinishReason.ERROR, error=req.error)
+                    rec.failed.append({"request_id": req.request_id, "error": req.error})
+                    continue
                 if rejection is not None:  # hard: it can never fit on this engine
                     self.kv_admit_blocked[rejection.gate] += 1
                     self.rejected[rejection.gate] += 1
@@ -205,6 +214,20 @@ class Scheduler:
                 else:
                     rec.failed.append({"request_id": req.request_id, "error": req.error})
         return rec
+
+    def _policy_call(self, method: str):
+        """A policy hook whose failure touches no running row (peek): note it and answer
+        None, so this tick admits nothing and every running row goes on (issue 23)."""
+        try:
+            return getattr(self.policy, method)()
+        except Exception as e:
+            self._note_hook_error(method, e)
+            return None
+
+    def _note_hook_error(self, hook: str, exc: BaseException) -> None:
+        self.hook_errors += 1
+        self.last_error = row_error(f"the policy's {hook}", exc)
+        log.error("policy hook %s raised", hook, exc_info=exc)
 
     def _run_gates(self, req: Request) -> Rejection | None:
         """The head's verdict: a hard reject first (it can never fit: refuse it at once,
@@ -596,7 +619,11 @@ class Scheduler:
             if not (over_budget or over_blocks):
                 break
             with self.queue_lock:
-                victim = self.policy.choose_victim(self.prefilling + self.active)
+                try:
+                    victim = self.policy.choose_victim(self.prefilling + self.active)
+                except Exception as e:  # fall back to the latest arrival, FCFS's victim
+                    self._note_hook_error("choose_victim", e)
+                    victim = max(self.prefilling + self.active, key=lambda r: r.arrival_seq)
             why = (f"kv_budget: {self.active_kv_reserved} reserved + {len(self.active)} new tokens > {self.kv_budget_tokens}"
                 if over_budget else
                 f"block_pool: {self.block_manager.num_free_blocks()} free blocks")
@@ -629,7 +656,13 @@ class Scheduler:
         req.status = RequestStatus.PENDING
         with self.queue_lock:
             req.policy_running = False
-            self.policy.on_request_preempted(req)
+            try:
+                self.policy.on_request_preempted(req)
+            except Exception as e:  # it is in no queue now: end it rather than lose it
+                if any(r is req for r in self.policy):
+                    self.policy.remove(req)
+                self._note_row_error(req, "on_request_preempted", e)
+                self._finish(req, FinishReason.ERROR, error=req.error)
         return {"request_id": req.request_id, "from_queue": "prefilling" if queue is
                 self.prefilling else "active", "released_tokens": released,
                 "released_blocks": blocks, "tokens_so_far": len(req.output_token_ids),
@@ -692,16 +725,29 @@ class Scheduler:
         return n
 
     def fail_all(self, error: str) -> int:
-        """A forward pass raised: end every running request with an error and give
-        back what it held, so the engine keeps serving (and R1/R2 still hold)."""
+        """A tick raised outside any one row: end every running request with an error
+        and give back what it held, so the engine keeps serving (R1/R2 hold after).
+
+        It must not raise itself: it runs in the worker's error path, and a second
+        exception there would kill the worker (issue 23). So it does the accounting
+        by hand and then `backend.reset()`s the rows instead of asking the backend
+        to remove them one by one (that check may be exactly what failed)."""
         n = 0
         with self.lock:
             for queue in (self.prefilling, self.active):
                 for req in list(queue):
-                    self._release(req)
                     queue.remove(req)
-                    self._finish(req, FinishReason.ERROR, error=error)
+                    released, req.reserved_tokens = req.reserved_tokens, 0
+                    self.active_kv_reserved -= released  # R1
+                    try:
+                        if self.block_manager is not None:
+                            self.block_manager.free(req.request_id)
+                        self._finish(req, FinishReason.ERROR, error=error)
+                    except Exception as e:
+                        log.error("while failing request %s", req.request_id, exc_info=e)
                     n += 1
+            self._planned = []
+            self.backend.reset()
         return n
 
     # ================================================================= inspection
