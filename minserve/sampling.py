@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (argmax)
 
 

@@ -103,7 +103,7 @@ def slow_bodies(n: int = 7, seconds: float = 6.0) -> dict[str, Any]:
                     s.sendall(b" ")
                     if s.recv(4096):
                         answered.append(s)
-                except socket.timeout:
+                except TimeoutError:
                     pass  # nothing yet: the server still waits for the body
                 except OSError:
                     answered.append(s)
