@@ -261,7 +261,7 @@ class Scheduler:
             whole = req.kv_need if grows else req.prompt_len
             taken = self._decode_growth_blocks() if preempt else self._promised_blocks()
             g3 = self.gates.check_block_pool(
-                blocks_needed=bm.blocks_needed(req.prefill_token_ids, tokens),
+                blocks_needed=bm.blocks_needed(req.prefill_token_ids, tokens, salt=req.tenant),
                 free_blocks=bm.num_free_blocks() - taken,
                 prompt_blocks=bm.num_blocks_for(whole), num_blocks=bm.num_blocks)
         for r in (g2, g3):
@@ -272,11 +272,27 @@ class Scheduler:
 
     def _session_cap(self, req: Request) -> Rejection | None:
         """`max_rows_per_session`: a session that holds that many rows (prefilling or
-        active) waits while another session's request is admitted ahead of it."""
+        active) waits while another session's request is admitted ahead of it.
+        `max_tenant_kv_share` (H5): a tenant whose rows reserve that share of the G2
+        budget waits the same way (unless it holds nothing: a request always fits
+        under its own `max_request_kv_share`)."""
+        running = self.prefilling + self.active
+        share = self.config.max_tenant_kv_share
+        if req.tenant is not None and share < 1:
+            held = sum(r.reserved_tokens for r in running if r.tenant == req.tenant)
+            limit = int(share * self.kv_budget_tokens)
+            need = req.prefill_len + 1 if self.preempting else req.kv_need
+            if held and held + need > limit:
+                return Rejection(gate="G2", reason="tenant_share", hard=False,
+                                 message=f"its tenant's rows reserve {held} of the {limit} KV "
+                                         f"tokens one tenant may hold (max_tenant_kv_share="
+                                         f"{share:g}); other tenants go first",
+                                 numbers={"tenant_reserved": held, "need": need,
+                                          "tenant_limit": limit})
         cap = self.config.max_rows_per_session
         if cap is None:
             return None
-        rows = sum(r.session_id == req.session_id for r in self.prefilling + self.active)
+        rows = sum(r.session_id == req.session_id for r in running)
         return self.gates.session_cap_hold(req.session_id, rows, cap)
 
     @property
@@ -325,7 +341,7 @@ class Scheduler:
         try:
             if self.block_manager is not None:
                 req.num_cached_tokens = self.block_manager.allocate_prompt(
-                    req.request_id, req.prefill_token_ids)
+                    req.request_id, req.prefill_token_ids, salt=req.tenant)
             req.num_computed_prompt_tokens = req.num_cached_tokens
             self.backend.begin_prefill(req)
         except Exception as e:

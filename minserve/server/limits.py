@@ -82,8 +82,10 @@ class RequestLimits:
     deadline per chunk, and handed on to the app.
     """
 
-    def __init__(self, app, limits: ServerLimits, state) -> None:
+    def __init__(self, app, limits: ServerLimits, state,
+                 post_paths: tuple[str, ...] | None = None) -> None:
         self.app, self.limits, self.state = app, limits, state
+        self.post_paths = post_paths  # POST routes (another path: the router's 404)
         self.in_flight = 0  # requests past this door and not answered yet (one event loop)
 
     async def __call__(self, scope, receive, send) -> None:
@@ -103,7 +105,8 @@ class RequestLimits:
         if getattr(self.state, "draining", False) and scope["path"] != "/health":
             await shutting_down_error().response()(scope, receive, send)
             return
-        if scope["method"] != "POST":
+        if scope["method"] != "POST" or (self.post_paths is not None
+                                         and scope["path"] not in self.post_paths):
             await self.app(scope, receive, send)
             return
         headers = {}
