@@ -1,6 +1,6 @@
 """Issue 23's attacks on a shared server, replayed small and on loopback: one figure each.
 
-    python -m minserve.bench.shared_server            # all attacks, a JSON line each
+    python scripts/shared_server_attacks.py [NAME ...]    # all attacks, a JSON line each
 
 Each attack runs the HTTP server (`BackgroundServer`) over a tiny random model, so a
 run takes about a minute on two cores, and uses only the HTTP API (and, for the
@@ -22,21 +22,23 @@ from typing import Any
 
 import httpx
 
-from ..config import EngineConfig
-from ..engine import Engine
-from ..models import tiny_llama
-from ..sampling import SamplingParams
-from ..server.api import create_app
-from ..server.cli import BackgroundServer
-from ..server.limits import ServerLimits
+from minserve.config import EngineConfig
+from minserve.engine import Engine
+from minserve.models import tiny_llama
+from minserve.sampling import SamplingParams
+from minserve.server.api import create_app
+from minserve.server.cli import BackgroundServer
+from minserve.server.limits import ServerLimits
 
 TENANTS = "api_keys" in inspect.signature(create_app).parameters
-KEYS = {"key-alice": {"tenant": "alice"}, "key-mallory": {"tenant": "mallory"},
-        "key-op": {"tenant": "ops", "may_set_priority": True}}
+KEYS = {"key-alice": {"tenant": "alice"}, "key-mallory": {"tenant": "mallory"}}
+# after issue 23, what `minserve serve` sets for a shared server (cli.SERVING_DEFAULTS)
+SHARED = ({"max_request_kv_share": 0.5, "max_tenant_kv_share": 0.5, "max_rows_per_session": 4}
+          if hasattr(EngineConfig, "max_request_kv_share") else {})
 
 
 def engine(**cfg) -> Engine:
-    cfg.setdefault("device", "cpu")
+    cfg = {"device": "cpu", **SHARED, **cfg}
     return Engine(EngineConfig(**cfg), model=tiny_llama(eos_token_id=0))
 
 
@@ -140,9 +142,22 @@ def maximal_request() -> dict[str, Any]:
         waited, small_done = time.monotonic() - t0, time.monotonic()
         t.join()
         big_status = big["r"].status_code
+        largest = None
+        if big_status == 400:  # refused: the largest request allowed, with the same chats
+            cap = eng.request_kv_cap
+            t = threading.Thread(target=lambda: (big.update(r=complete(
+                srv.url, "mallory", [1], cap - 1)), big.update(done=time.monotonic())))
+            t.start()
+            time.sleep(0.05)
+            t0 = time.monotonic()
+            small = [complete(srv.url, "alice", [2, 3, 4], 8) for _ in range(3)]
+            waited, small_done = time.monotonic() - t0, time.monotonic()
+            t.join()
+            largest = cap - 1
         big_tokens = (big["r"].json().get("usage") or {}).get("completion_tokens")
     return {"attack": "prompt [1], max_tokens 511 of a 512-token KV budget",
-            "maximal_status": big_status, "maximal_tokens": big_tokens,
+            "maximal_status": big_status, "then_ran_max_tokens": largest,
+            "maximal_tokens": big_tokens,
             "small_statuses": [r.status_code for r in small],
             "small_chats_ended_after_the_maximal": small_done >= big["done"],
             "three_small_chats_s": round(waited, 2)}
@@ -163,17 +178,17 @@ def cache_probe() -> dict[str, Any]:
             "alice_cached_tokens_again": own}
 
 
-def priority_starvation(loops: int = 3, seconds: float = 3.0) -> dict[str, Any]:
+def priority_starvation(loops: int = 3, priority: int = 100) -> dict[str, Any]:
     """Item 5: loops at priority 100 against one innocent request at priority 0."""
     eng = engine(max_batch_size=1)
-    out: dict[str, Any] = {"attack": f"{loops} loops at priority 100, batch of 1"}
+    out: dict[str, Any] = {"attack": f"{loops} loops at priority {priority}, batch of 1"}
     with server(eng) as srv:
         stop, statuses = threading.Event(), []
 
         def loop():
             while not stop.is_set():
                 statuses.append(complete(srv.url, "mallory", [5, 6, 7], 16,
-                                         priority=100).status_code)
+                                         priority=priority).status_code)
 
         threads = [threading.Thread(target=loop) for _ in range(loops)]
         for t in threads:
@@ -210,10 +225,11 @@ def fair_counters(n: int = 20) -> dict[str, Any]:
         for _ in range(n):
             complete(srv.url, "mallory", [3, 4, 5, 6], 8, user="alice")
         after = alice_counter("alice")
-        seen_by_mallory = alice_counter("mallory")
+        seen = httpx.get(srv.url + "/scheduler/stats", headers={
+            **auth("mallory"), "X-Session-Id": "alice"}).json()["policy"].get("own_session")
     return {"attack": f"mallory sends {n} requests as user alice",
             "alice_counter_before": before, "alice_counter_after": after,
-            "mallory_reads_alice": seen_by_mallory}
+            "mallory_asks_for_alice_and_reads": seen}
 
 
 def session_flood(n: int = 1000, cap: int = 100) -> dict[str, Any]:
@@ -239,7 +255,7 @@ def explain_leak() -> dict[str, Any]:
     """Item 8: explain names the request that holds the caller's."""
     eng = engine(max_batch_size=1)
     with server(eng) as srv:
-        ts = [threading.Thread(target=lambda: complete(srv.url, "mallory", [1, 2], 1000))
+        ts = [threading.Thread(target=lambda: complete(srv.url, "mallory", [1, 2], 400))
               for _ in range(2)]  # one runs, one waits at the head
         for t in ts:
             t.start()
@@ -255,7 +271,7 @@ def explain_leak() -> dict[str, Any]:
         mine.join()
     held = ex.get("held_by") or {}
     return {"attack": "explain of a waiting request", "held_by_names_a_request":
-            "request_id" in held, "held_by": held}
+            held.get("request_id") is not None, "held_by": held}
 
 
 def small_defects() -> dict[str, Any]:
@@ -280,8 +296,13 @@ def small_defects() -> dict[str, Any]:
     return {"attack": "item 9", **out}
 
 
+def equal_priority() -> dict[str, Any]:
+    """Item 5's baseline: the same loops at priority 0."""
+    return priority_starvation(priority=0)
+
+
 ATTACKS = [fault, slow_bodies, maximal_request, cache_probe, priority_starvation,
-           fair_counters, session_flood, explain_leak, small_defects]
+           equal_priority, fair_counters, session_flood, explain_leak, small_defects]
 
 
 def main(argv: list[str] | None = None) -> int:
