@@ -61,6 +61,11 @@ class EngineConfig:
 
     # --- backpressure (G) -------------------------------------------------------
     kv_budget_tokens: int | None = None  # gate G2; None -> num_blocks * block_size
+    # H5: the share of the G2 budget one request may reserve (prompt + max_tokens; more is
+    # refused at submit), and one tenant's running rows together (more waits while other
+    # tenants go first). 1.0: no cap. `minserve serve` sets 0.5 for both (a shared server).
+    max_request_kv_share: float = 1.0
+    max_tenant_kv_share: float = 1.0
     # "reserve": admit on prompt + max_tokens, so a running row never runs out of KV (R1).
     # "preempt": admit on what the prompt needs now; when decode would run out of KV, a
     # running row is preempted (its KV dropped, recomputed on re-admission). P6.
@@ -88,6 +93,10 @@ class EngineConfig:
         need(isinstance(self.device, str) and self.device != "", "device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
         need(_pos_int(self.max_batch_size), f"max_batch_size={self.max_batch_size!r}; use an int >= 1")
         need(_pos_int(self.max_queue_size), f"max_queue_size={self.max_queue_size!r}; use an int >= 1")
+        for name in ("max_request_kv_share", "max_tenant_kv_share"):
+            v = getattr(self, name)
+            need(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1,
+                 f"{name}={v!r}; use a share of the KV budget in (0, 1] (1 = no cap)")
         need(self.max_rows_per_session is None or _pos_int(self.max_rows_per_session),
              f"max_rows_per_session={self.max_rows_per_session!r}; use an int >= 1, or None "
              "for no cap")

@@ -140,18 +140,29 @@ class Engine:
             raise ValueError(f"token ids must be in [0, {vocab})")
         return ids
 
+    @property
+    def request_kv_cap(self) -> int:
+        """Tokens of KV one request may reserve, prompt + max_tokens (H5:
+        `max_request_kv_share` of the G2 budget), so no request holds everyone out."""
+        return int(self.config.max_request_kv_share * self.scheduler.kv_budget_tokens)
+
     def make_request(self, prompt: Prompt, sampling: SamplingParams | None = None, *,
                      session_id: str = "default", priority: int = 0,
-                     request_id: str | None = None) -> Request:
+                     request_id: str | None = None, tenant: str | None = None) -> Request:
         sampling = sampling or SamplingParams()
         ids = self.encode(prompt)
         if len(ids) + sampling.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) "
                              f"exceeds the model's context of {self.max_model_len} tokens")
+        share = self.config.max_request_kv_share
+        if share < 1 and len(ids) + sampling.max_tokens > self.request_kv_cap:
+            raise ValueError(request_cap_message(len(ids), sampling.max_tokens,
+                                                 self.request_kv_cap,
+                                                 self.scheduler.kv_budget_tokens, share))
         seq = next(self._seq)
         req = Request(request_id=request_id or f"req-{seq}", prompt_token_ids=ids,
                       sampling=sampling, arrival_seq=seq, session_id=str(session_id),
-                      priority=int(priority), eos_token_ids=self.eos_token_ids)
+                      priority=int(priority), eos_token_ids=self.eos_token_ids, tenant=tenant)
         # Per-request RNG: the same seed gives the same tokens whatever shares the batch.
         req.generator = make_generator(sampling.seed if sampling.seed is not None
                                        else self.config.seed * 1_000_003 + seq)
@@ -162,14 +173,14 @@ class Engine:
     # ================================================================ public API
     def submit(self, prompt: Prompt, sampling: SamplingParams | None = None, *,
                session_id: str = "default", priority: int = 0,
-               request_id: str | None = None) -> RequestHandle:
+               request_id: str | None = None, tenant: str | None = None) -> RequestHandle:
         """Queue one request; return its streaming handle at once.
 
         A refusal (G1 now, G2/G3 at admit) arrives as the handle's final event,
         with `rejection` naming the gate. Invalid input raises ValueError.
         """
         req = self.make_request(prompt, sampling, session_id=session_id, priority=priority,
-                                request_id=request_id)
+                                request_id=request_id, tenant=tenant)
         self.scheduler.submit(req)
         self._wake.set()
         return req.handle
@@ -271,7 +282,12 @@ class Engine:
                     continue
                 self.step()
             except Exception as e:  # keep serving: fail the rows in flight, report the error
-                self.recover(e)
+                try:
+                    self.recover(e)
+                except Exception as e2:  # never let the worker die (issue 23)
+                    from .scheduler import log
+
+                    log.error("recovering from a failed tick raised too", exc_info=e2)
 
     def recover(self, exc: BaseException) -> int:
         """What the worker does when a tick raises outside any one row (a policy's
@@ -293,6 +309,15 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def request_cap_message(prompt_len: int, max_tokens: int, cap: int, budget: int,
+                        share: float) -> str:
+    return (f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
+            f"{prompt_len + max_tokens} tokens of KV; one request may reserve at most {cap} "
+            f"of the {budget}-token KV budget (max_request_kv_share={share:g}), so that no "
+            f"request holds everyone else out: lower max_tokens to {max(0, cap - prompt_len)} "
+            "or less")
 
 
 def max_batch_blocks(max_batch_size: int, tokens_per_row: int, block_size: int) -> int:

@@ -117,8 +117,9 @@ def _fair_view(s, req: Request) -> dict[str, Any] | None:
     counters = getattr(s.policy, "counters", None)
     if counters is None:
         return None
-    waiting = [counters.get(r.session_id, 0.0) for r in s.policy if r.priority == req.priority]
-    return {"session_counter": counters.get(req.session_id, 0.0),
+    unit = getattr(s.policy, "unit", lambda r: r.session_id)  # per tenant, if any (H5)
+    waiting = [counters.get(unit(r), 0.0) for r in s.policy if r.priority == req.priority]
+    return {"session_counter": counters.get(unit(req), 0.0),
             "lowest_waiting_counter": min(waiting) if waiting else None}
 
 

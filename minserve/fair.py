@@ -157,21 +157,28 @@ class FairPolicy(Policy):
         self._peeked: Request | None = None  # what the last peek_next returned
         self._last_left: dict[int, str] = {}  # tier -> session of the last request to leave it
 
+    @staticmethod
+    def unit(req: Request) -> str:
+        """Who a counter belongs to: the request's tenant when the server names one
+        (H5: a tenant cannot raise its share by inventing sessions, nor charge
+        another's), else its session (notebooks, an open server)."""
+        return req.session_id if req.tenant is None else req.tenant
+
     def key(self, req: Request) -> tuple[int, float, int]:
         """P2: higher priority first, then the least-served session, then FIFO."""
-        return (-req.priority, self.counters.get(req.session_id, 0.0), req.arrival_seq)
+        return (-req.priority, self.counters.get(self.unit(req), 0.0), req.arrival_seq)
 
     # --- hooks ----------------------------------------------------------------------------
     def on_request_arrived(self, req: Request) -> None:
         """Enqueue `req`; lift its session's counter to the clock if it had nothing waiting (P4)."""
-        s, tier = req.session_id, req.priority
+        s, tier = self.unit(req), req.priority
         if s not in self.counters and len(self.counters) >= self.max_sessions:
             self._forget_idle_sessions(len(self.counters) - self.max_sessions + 1)
         self._last_active[s] = req.arrival_seq
         self.counters.setdefault(s, 0.0)
         self.served.setdefault(s, {"prompt_tokens": 0, "output_tokens": 0})
         # the sessions `req` competes with: those waiting in its priority tier
-        rivals = {r.session_id for r in self._waiting if r.priority == tier}
+        rivals = {self.unit(r) for r in self._waiting if r.priority == tier}
         if s not in rivals:
             last = self._last_left.get(tier)  # None: this tier has never had anyone waiting
             clock = min((self.counters[r] for r in rivals),
@@ -196,7 +203,7 @@ class FairPolicy(Policy):
 
     def pick(self, req: Request) -> Request:
         self.remove(req)
-        self._running[req.session_id] = self._running.get(req.session_id, 0) + 1
+        self._running[self.unit(req)] = self._running.get(self.unit(req), 0) + 1
         return req
 
     def remove(self, req: Request) -> None:
@@ -210,11 +217,14 @@ class FairPolicy(Policy):
             # The tier is empty now. Its last waiting session held the least
             # counter: its counter, as it grows while that session is served, is
             # the clock V for the next arrival (see "When nobody waits").
-            self._last_left[req.priority] = req.session_id
+            self._last_left.pop(req.priority, None)
+            self._last_left[req.priority] = self.unit(req)  # newest last
+            while len(self._last_left) > self.max_sessions:  # bounded: issue 23 item 7
+                self._last_left.pop(next(iter(self._last_left)))
 
     def on_tokens_processed(self, req: Request, prompt_tokens: int, output_tokens: int) -> None:
         """P3: charge the session for the work just done on `req`."""
-        s = req.session_id
+        s = self.unit(req)
         self.counters[s] = (self.counters.get(s, 0.0)
                             + self.w_in * prompt_tokens + self.w_out * output_tokens)
         served = self.served.setdefault(s, {"prompt_tokens": 0, "output_tokens": 0})
@@ -232,7 +242,7 @@ class FairPolicy(Policy):
         if any(r is req for r in self._waiting):  # finished while still waiting
             self.remove(req)
             return
-        s = req.session_id
+        s = self.unit(req)
         if self._running.get(s, 0) > 1:
             self._running[s] -= 1
         else:
@@ -244,22 +254,27 @@ class FairPolicy(Policy):
         request of its session waiting) would charge the session a second time for
         being preempted, which the scheduler decided, not the session."""
         self.on_request_finished(req)  # it no longer runs
-        self._last_active[req.session_id] = req.arrival_seq
+        self._last_active[self.unit(req)] = req.arrival_seq
         self._waiting.append(req)
 
     def _forget_idle_sessions(self, n: int) -> None:
         """Drop up to `n` sessions with nothing waiting and nothing running, least
-        recently active first (see "Bounded state"). The session that last left each
-        tier stays: its counter is that tier's clock."""
-        busy = {r.session_id for r in self._waiting} | set(self._running)
-        keep = busy | set(self._last_left.values())
-        idle = sorted((s for s in self.counters if s not in keep),
-                      key=lambda s: self._last_active.get(s, -1))
-        for s in idle[:n]:
+        recently active first (see "Bounded state"). A session that is some tier's
+        clock (it left that tier last) goes last, and takes that clock with it: the
+        cap holds whatever mix of sessions and priorities arrives (issue 23: one
+        session per priority value was kept for ever)."""
+        busy = {self.unit(r) for r in self._waiting} | set(self._running)
+        clocks = set(self._last_left.values())
+        idle = sorted((s for s in self.counters if s not in busy),
+                      key=lambda s: (s in clocks, self._last_active.get(s, -1)))
+        gone = set(idle[:n])
+        for s in gone:
             del self.counters[s]
             self.served.pop(s, None)
             self._last_active.pop(s, None)
             self.forgotten_sessions += 1
+        if gone & clocks:
+            self._last_left = {t: s for t, s in self._last_left.items() if s not in gone}
 
     # --- views ----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Request]:
@@ -271,7 +286,7 @@ class FairPolicy(Policy):
     def stats(self) -> dict[str, Any]:
         queued: dict[str, int] = {}
         for r in self._waiting:
-            queued[r.session_id] = queued.get(r.session_id, 0) + 1
+            queued[self.unit(r)] = queued.get(self.unit(r), 0) + 1
         return {"name": self.name, "w_in": self.w_in, "w_out": self.w_out,
                 "sessions": len(self.counters), "forgotten_sessions": self.forgotten_sessions,
                 "counters": dict(self.counters),

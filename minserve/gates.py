@@ -89,7 +89,8 @@ def session_cap_hold(session: str, rows: int, cap: int | None) -> Rejection | No
     waiting request of another session goes first (soft; `max_rows_per_session`)."""
     if cap is not None and rows >= cap:
         return Rejection(gate="batch", reason="session_cap", hard=False,
-                         message=f"session {session!r} already holds {rows} batch rows, its "
+                         # (no name: explain shows this to other sessions too, H5)
+                         message=f"its session already holds {rows} batch rows, its "
                                  f"cap; other sessions go first",
                          numbers={"session_rows": rows, "max_rows_per_session": cap})
     return None

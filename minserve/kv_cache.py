@@ -65,6 +65,19 @@ def hash_block(parent_hash: int | None, tokens: tuple[int, ...] | list[int]) -> 
     return hash((ROOT_HASH if parent_hash is None else parent_hash, tuple(tokens)))
 
 
+def root_hash(salt: str | None) -> int:
+    """The parent hash of a sequence's first block. A salt (the tenant, SPEC H5; vLLM's
+    per-request `cache_salt`) starts the chain somewhere else, so equal prompts of two
+    tenants get different hashes at every block: a tenant can only ever hit blocks its
+    own requests computed, and learns nothing (no cached_tokens, no faster first token)
+    about another's prompts.
+
+        tenant a: ROOT_a -> h(ROOT_a, t[0:16]) -> h(.., t[16:32]) ...
+        tenant b: ROOT_b -> h(ROOT_b, t[0:16]) -> ...        never equal to a's
+    """
+    return ROOT_HASH if salt is None else hash(("cache_salt", salt))
+
+
 class NoFreeBlocksError(RuntimeError):
     """The pool cannot supply the blocks asked for. Callers gate first (SPEC G3)."""
 
@@ -100,6 +113,7 @@ class BlockManager:
         # seq id -> chained hashes of its leading computed full blocks (the chain continues
         # even where a block stayed private because an equal block was already registered).
         self._seq_hashes: dict[str, list[int]] = {}
+        self._seq_salt: dict[str, str | None] = {}  # seq id -> its tenant's salt (H5)
         self._clock = 0
         self.prefix_hit_tokens = 0  # cached tokens handed out by allocate_prompt
         self.prefix_query_tokens = 0  # prompt tokens asked for by allocate_prompt
@@ -117,14 +131,15 @@ class BlockManager:
     def _block_tokens(self, token_ids: list[int], i: int) -> tuple[int, ...]:
         return tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
 
-    def _cached_blocks(self, token_ids: list[int]) -> list[int]:
-        """Block ids of the longest cached prefix, capped so the last token is computed (K2)."""
+    def _cached_blocks(self, token_ids: list[int], salt: str | None = None) -> list[int]:
+        """Block ids of the longest cached prefix, capped so the last token is computed (K2).
+        Only blocks hashed under the same `salt` (tenant) can match."""
         if not self.enable_prefix_caching or not token_ids:
             return []
         # (len - 1) // block_size: the block holding the last token is never reused, so a
         # prompt of exactly 2 full blocks reuses at most the first one.
         max_blocks = (len(token_ids) - 1) // self.block_size
-        found, parent = [], None
+        found, parent = [], root_hash(salt)
         for i in range(max_blocks):
             h = hash_block(parent, self._block_tokens(token_ids, i))
             block_id = self._hash_to_block.get(h)
@@ -133,6 +148,11 @@ class BlockManager:
             found.append(block_id)
             parent = h
         return found
+
+    def _hits(self, token_ids: list[int], salt: str | None) -> list[int]:
+        # (lab 5's `_cached_blocks` takes only the tokens: pass a salt only when there is one)
+        return (self._cached_blocks(token_ids) if salt is None
+                else self._cached_blocks(token_ids, salt))
 
     def _take_block(self) -> Block:
         """A block with ref 0 for new content: the free list first, else evict the LRU cached."""
@@ -150,11 +170,12 @@ class BlockManager:
         return block
 
     # --- admit's questions (read-only) ------------------------------------------------------
-    def cached_prefix_len(self, token_ids: list[int]) -> int:
+    def cached_prefix_len(self, token_ids: list[int], salt: str | None = None) -> int:
         """Tokens of `token_ids` whose KV is cached and reusable: whole blocks, < len (K2)."""
-        return len(self._cached_blocks(token_ids)) * self.block_size
+        return len(self._hits(token_ids, salt)) * self.block_size
 
-    def blocks_needed(self, token_ids: list[int], num_tokens: int | None = None) -> int:
+    def blocks_needed(self, token_ids: list[int], num_tokens: int | None = None,
+                      salt: str | None = None) -> int:
         """How much `num_free_blocks()` would drop if this prompt were allocated (gate G3).
 
         That is the new blocks for the uncached part, plus the cached hits that nobody
@@ -165,7 +186,7 @@ class BlockManager:
         n = len(token_ids) if num_tokens is None else num_tokens
         if n < 0:
             raise ValueError(f"num_tokens={n}; must be >= 0")
-        hits = self._cached_blocks(token_ids)[:self.num_blocks_for(n)]
+        hits = self._hits(token_ids, salt)[:self.num_blocks_for(n)]
         idle_hits = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         return self.num_blocks_for(n) - len(hits) + idle_hits
 
@@ -181,7 +202,7 @@ class BlockManager:
         return extra <= self.num_free_blocks()
 
     # --- mutations ----------------------------------------------------------------------------
-    def allocate_prompt(self, seq_id: str, token_ids: list[int]) -> int:
+    def allocate_prompt(self, seq_id: str, token_ids: list[int], salt: str | None = None) -> int:
         """Give `seq_id` a block table for its whole prompt; return its cached token count.
 
         The cached prefix reuses blocks (ref_count += 1); the rest gets new blocks.
@@ -189,13 +210,13 @@ class BlockManager:
         """
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already has blocks; free it first")
-        if self.blocks_needed(token_ids) > self.num_free_blocks():
+        if self.blocks_needed(token_ids, salt=salt) > self.num_free_blocks():
             raise NoFreeBlocksError(
-                f"{seq_id!r} needs {self.blocks_needed(token_ids)} blocks, "
+                f"{seq_id!r} needs {self.blocks_needed(token_ids, salt=salt)} blocks, "
                 f"{self.num_free_blocks()} free; gate G3 should have held it")
         now = self._tick()
         # Pin the hits first, so taking new blocks below can never evict them.
-        table = self._cached_blocks(token_ids)
+        table = self._hits(token_ids, salt)
         for block_id in table:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -204,6 +225,7 @@ class BlockManager:
             block.last_used = now
         num_cached = len(table) * self.block_size
         self._seq_hashes[seq_id] = [self.blocks[b].block_hash for b in table]
+        self._seq_salt[seq_id] = salt
         for i in range(len(table), self.num_blocks_for(len(token_ids))):
             block = self._take_block()
             block.num_tokens = min(self.block_size, len(token_ids) - i * self.block_size)
@@ -248,7 +270,7 @@ class BlockManager:
         table, hashes = self._tables[seq_id], self._seq_hashes[seq_id]
         if num_computed > min(len(token_ids), self._seq_len[seq_id]):
             raise ValueError(f"{seq_id!r}: num_computed={num_computed} exceeds its tokens")
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else root_hash(self._seq_salt.get(seq_id))
         for i in range(len(hashes), num_computed // self.block_size):
             h = hash_block(parent, self._block_tokens(token_ids, i))
             hashes.append(h)
@@ -270,6 +292,7 @@ class BlockManager:
         if table is None:
             return
         del self._seq_len[seq_id], self._seq_hashes[seq_id]
+        self._seq_salt.pop(seq_id, None)
         now = self._tick()
         for block_id in reversed(table):
             block = self.blocks[block_id]

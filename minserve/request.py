@@ -84,7 +84,10 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_seq: int  # global order of arrival: the FCFS tie-break (P1)
-    session_id: str = "default"  # the fair policy's tenant (P2)
+    session_id: str = "default"  # the fair policy's session (P2)
+    # H5: the tenant whose key sent it (None: no tenants, as in a notebook). It salts the
+    # prefix cache's hashes, and the fair policy counts per tenant.
+    tenant: str | None = None
     priority: int = 0  # higher runs first, for every policy
     eos_token_ids: tuple[int, ...] = ()
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (argmax)
+
 
 @dataclass
 class SamplingParams:
@@ -56,7 +58,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or below MIN_TEMPERATURE: 1e-46 is 0 in float32, and dividing
+        logits by it gives NaN; so tiny temperatures mean argmax (as vLLM does, 1e-5)."""
+        return self.temperature < MIN_TEMPERATURE
 
 
 class Sampler:
@@ -73,6 +77,8 @@ class Sampler:
     @staticmethod
     def sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
         """One row (V,) -> one token id."""
+        if bool(torch.isnan(logits).any()):  # argmax would pick some token anyway: refuse
+            raise ValueError("the model produced NaN logits for this row")
         if p.greedy:
             return int(torch.argmax(logits).item())
         logits = logits.float()
@@ -89,6 +95,9 @@ class Sampler:
             sorted_p, idx = torch.sort(probs, descending=True)
             # drop a token once the mass *before* it already reaches top_p
             drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= p.top_p
+            # the most likely token always stays: a top_p that rounds to 0 in float32
+            # (1e-300) would otherwise drop every token and divide 0 by 0
+            drop[0] = False
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
             probs = probs / probs.sum()

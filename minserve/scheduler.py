@@ -171,7 +171,7 @@ class Scheduler:
         """
         rec = AdmitRecord()
         with self.lock, self.queue_lock:
-            while (head := self.policy.peek_next()) is not None:
+            while (head := self._policy_call("peek_next")) is not None:
                 req, rejection = head, self._run_gates(head)
                 if rejection is None or not rejection.hard:
                     capped = self._session_cap(head)
@@ -186,10 +186,19 @@ class Scheduler:
                     self.kv_admit_blocked[rejection.gate] += 1
                     rec.held = {"request_id": req.request_id, "rejection": rejection.to_dict()}
                     break
-                if req is head:
-                    self.policy.pick_next()
-                else:
-                    self.policy.pick(req)
+                try:
+                    if req is head:
+                        self.policy.pick_next()
+                    else:
+                        self.policy.pick(req)
+                except Exception as e:  # the policy failed to hand it over (issue 23)
+                    self._note_hook_error("pick", e)
+                    if any(r is req for r in self.policy):
+                        break  # it keeps its place: next tick tries again; running rows go on
+                    self._note_row_error(req, "the policy's pick", e)  # taken out, not admitted
+                    self._finish(req, FinishReason.ERROR, error=req.error)
+                    rec.failed.append({"request_id": req.request_id, "error": req.error})
+                    continue
                 if rejection is not None:  # hard: it can never fit on this engine
                     self.kv_admit_blocked[rejection.gate] += 1
                     self.rejected[rejection.gate] += 1
@@ -205,6 +214,20 @@ class Scheduler:
                 else:
                     rec.failed.append({"request_id": req.request_id, "error": req.error})
         return rec
+
+    def _policy_call(self, method: str):
+        """A policy hook whose failure touches no running row (peek): note it and answer
+        None, so this tick admits nothing and every running row goes on (issue 23)."""
+        try:
+            return getattr(self.policy, method)()
+        except Exception as e:
+            self._note_hook_error(method, e)
+            return None
+
+    def _note_hook_error(self, hook: str, exc: BaseException) -> None:
+        self.hook_errors += 1
+        self.last_error = row_error(f"the policy's {hook}", exc)
+        log.error("policy hook %s raised", hook, exc_info=exc)
 
     def _run_gates(self, req: Request) -> Rejection | None:
         """The head's verdict: a hard reject first (it can never fit: refuse it at once,
@@ -238,7 +261,7 @@ class Scheduler:
             whole = req.kv_need if grows else req.prompt_len
             taken = self._decode_growth_blocks() if preempt else self._promised_blocks()
             g3 = self.gates.check_block_pool(
-                blocks_needed=bm.blocks_needed(req.prefill_token_ids, tokens),
+                blocks_needed=bm.blocks_needed(req.prefill_token_ids, tokens, salt=req.tenant),
                 free_blocks=bm.num_free_blocks() - taken,
                 prompt_blocks=bm.num_blocks_for(whole), num_blocks=bm.num_blocks)
         for r in (g2, g3):
@@ -249,11 +272,27 @@ class Scheduler:
 
     def _session_cap(self, req: Request) -> Rejection | None:
         """`max_rows_per_session`: a session that holds that many rows (prefilling or
-        active) waits while another session's request is admitted ahead of it."""
+        active) waits while another session's request is admitted ahead of it.
+        `max_tenant_kv_share` (H5): a tenant whose rows reserve that share of the G2
+        budget waits the same way (unless it holds nothing: a request always fits
+        under its own `max_request_kv_share`)."""
+        running = self.prefilling + self.active
+        share = self.config.max_tenant_kv_share
+        if req.tenant is not None and share < 1:
+            held = sum(r.reserved_tokens for r in running if r.tenant == req.tenant)
+            limit = int(share * self.kv_budget_tokens)
+            need = req.prefill_len + 1 if self.preempting else req.kv_need
+            if held and held + need > limit:
+                return Rejection(gate="G2", reason="tenant_share", hard=False,
+                                 message=f"its tenant's rows reserve {held} of the {limit} KV "
+                                         f"tokens one tenant may hold (max_tenant_kv_share="
+                                         f"{share:g}); other tenants go first",
+                                 numbers={"tenant_reserved": held, "need": need,
+                                          "tenant_limit": limit})
         cap = self.config.max_rows_per_session
         if cap is None:
             return None
-        rows = sum(r.session_id == req.session_id for r in self.prefilling + self.active)
+        rows = sum(r.session_id == req.session_id for r in running)
         return self.gates.session_cap_hold(req.session_id, rows, cap)
 
     @property
@@ -302,7 +341,7 @@ class Scheduler:
         try:
             if self.block_manager is not None:
                 req.num_cached_tokens = self.block_manager.allocate_prompt(
-                    req.request_id, req.prefill_token_ids)
+                    req.request_id, req.prefill_token_ids, salt=req.tenant)
             req.num_computed_prompt_tokens = req.num_cached_tokens
             self.backend.begin_prefill(req)
         except Exception as e:
@@ -596,7 +635,11 @@ class Scheduler:
             if not (over_budget or over_blocks):
                 break
             with self.queue_lock:
-                victim = self.policy.choose_victim(self.prefilling + self.active)
+                try:
+                    victim = self.policy.choose_victim(self.prefilling + self.active)
+                except Exception as e:  # fall back to the latest arrival, FCFS's victim
+                    self._note_hook_error("choose_victim", e)
+                    victim = max(self.prefilling + self.active, key=lambda r: r.arrival_seq)
             why = (f"kv_budget: {self.active_kv_reserved} reserved + {len(self.active)} new tokens > {self.kv_budget_tokens}"
                 if over_budget else
                 f"block_pool: {self.block_manager.num_free_blocks()} free blocks")
@@ -629,7 +672,13 @@ class Scheduler:
         req.status = RequestStatus.PENDING
         with self.queue_lock:
             req.policy_running = False
-            self.policy.on_request_preempted(req)
+            try:
+                self.policy.on_request_preempted(req)
+            except Exception as e:  # it is in no queue now: end it rather than lose it
+                if any(r is req for r in self.policy):
+                    self.policy.remove(req)
+                self._note_row_error(req, "on_request_preempted", e)
+                self._finish(req, FinishReason.ERROR, error=req.error)
         return {"request_id": req.request_id, "from_queue": "prefilling" if queue is
                 self.prefilling else "active", "released_tokens": released,
                 "released_blocks": blocks, "tokens_so_far": len(req.output_token_ids),
@@ -692,16 +741,29 @@ class Scheduler:
         return n
 
     def fail_all(self, error: str) -> int:
-        """A forward pass raised: end every running request with an error and give
-        back what it held, so the engine keeps serving (and R1/R2 still hold)."""
+        """A tick raised outside any one row: end every running request with an error
+        and give back what it held, so the engine keeps serving (R1/R2 hold after).
+
+        It must not raise itself: it runs in the worker's error path, and a second
+        exception there would kill the worker (issue 23). So it does the accounting
+        by hand and then `backend.reset()`s the rows instead of asking the backend
+        to remove them one by one (that check may be exactly what failed)."""
         n = 0
         with self.lock:
             for queue in (self.prefilling, self.active):
                 for req in list(queue):
-                    self._release(req)
                     queue.remove(req)
-                    self._finish(req, FinishReason.ERROR, error=error)
+                    released, req.reserved_tokens = req.reserved_tokens, 0
+                    self.active_kv_reserved -= released  # R1
+                    try:
+                        if self.block_manager is not None:
+                            self.block_manager.free(req.request_id)
+                        self._finish(req, FinishReason.ERROR, error=error)
+                    except Exception as e:
+                        log.error("while failing request %s", req.request_id, exc_info=e)
                     n += 1
+            self._planned = []
+            self.backend.reset()
         return n
 
     # ================================================================= inspection

@@ -122,3 +122,26 @@ def test_threads_come_from_the_flag_or_minserve_threads_and_bad_values_say_so():
             apply_threads(p.parse_args([]), {"MINSERVE_THREADS": "many"})
     finally:
         torch.set_num_threads(before)
+
+
+def test_serve_refuses_a_bad_keys_file_or_two_kinds_of_key_before_loading_the_model(
+        tmp_path, capsys):
+    bad = tmp_path / "keys.json"
+    bad.write_text('{"short": {"tenant": "a"}}')
+    assert main(["serve", "--api-keys-file", str(bad)]) == 2
+    assert "8 characters" in capsys.readouterr().err
+    assert main(["serve", "--api-keys-file", str(bad), "--api-key", "k"]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_a_shared_server_caps_one_request_one_tenant_and_one_session_by_default():
+    import argparse
+
+    from minserve.server.cli import SERVING_DEFAULTS, add_serve_arguments, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    served = engine_config_from_args(p.parse_args([]), {}, defaults=SERVING_DEFAULTS)
+    assert (served.max_request_kv_share, served.max_tenant_kv_share,
+            served.max_rows_per_session) == (0.5, 0.5, 4)
+    assert EngineConfig().max_request_kv_share == 1.0  # a notebook's engine: no cap

@@ -13,8 +13,9 @@ Which requests a fault may take down:
     on_tokens_processed, the sampler
     on_request_arrived                       the request being submitted (submit raises)
     decode_step_batched                      the rows of that one batched forward
-    remove_row, peek_next, pick_next         the rows in flight (the tick raised outside
+    remove_row                               the rows in flight (the tick raised outside
                                              any one row: the worker's `recover`)
+    peek_next, pick_next                     nobody: admission waits a tick (issue 23)
     on_request_finished                      nobody: the client still gets its end
 """
 
@@ -49,7 +50,7 @@ def inject(obj, method: str, at_call: int) -> dict:
     def faulty(*args, **kwargs):
         state["calls"] += 1
         if state["calls"] == at_call:
-            state["fired"] = True
+            state["fired"], state["args"] = True, args
             raise Injected(f"injected fault in {method}")
         return real(*args, **kwargs)
 
@@ -109,7 +110,7 @@ def test_a_fault_fails_only_what_it_hit_and_everything_is_given_back(tiny_model,
     method = fault[1]
     if method in ONE_ROW:
         assert len(errored) + refused == 1, [h.output.finish_reason for h in handles]
-    elif method == "on_request_finished":
+    elif method in ("on_request_finished", "peek_next", "pick_next"):
         assert not errored and engine.scheduler.hook_errors == 1
     else:
         assert 1 <= len(errored) <= 3  # the rows of one batch / one tick
@@ -121,3 +122,149 @@ def test_a_fault_fails_only_what_it_hit_and_everything_is_given_back(tiny_model,
             break
         engine.step()
     assert again.output.finish_reason == "length" and engine.scheduler.is_drained()
+
+
+# ---------------------------------------------------------------- issue 23: 8 rows, any site
+PLAN8 = [(list(range(3 + 5 * i, 3 + 5 * i + 2 + 3 * i)), 5 + i % 3) for i in range(8)]
+
+
+def arm_layer_fault(engine, method: str, at_call: int = 2) -> dict:
+    """A decoder layer raises once, inside the forward that `backend.method` runs on its
+    call number `at_call`: after the padded backend widened its mask and layer 0 grew its
+    KV, before layer 1 did (the site that killed the worker in issue 23)."""
+    backend, layer = engine.scheduler.backend, engine.model.model.layers[1]
+    real_method, real_layer = getattr(backend, method), layer.forward
+    state = {"calls": 0, "armed": False, "fired": False}
+
+    def method_wrapper(*args, **kwargs):
+        state["calls"] += 1
+        state["armed"] = state["calls"] == at_call
+        if state["armed"]:
+            state["args"] = args
+        try:
+            return real_method(*args, **kwargs)
+        finally:
+            state["armed"] = False
+
+    def layer_wrapper(*args, **kwargs):
+        if state["armed"] and not state["fired"]:
+            state["fired"] = True
+            raise Injected(f"injected fault in a layer during {method}")
+        return real_layer(*args, **kwargs)
+
+    setattr(backend, method, method_wrapper)
+    layer.forward = layer_wrapper
+    return state
+
+
+def arm_detokenise_fault(handle, at_call: int = 2) -> dict:
+    real, state = handle._on_token, {"calls": 0, "fired": False}
+
+    def faulty(*args):
+        state["calls"] += 1
+        if state["calls"] == at_call:
+            state["fired"] = True
+            raise Injected("injected fault in detokenising")
+        return real(*args)
+
+    handle._on_token = faulty
+    return state
+
+
+SITES8 = ["decode.before_mask", "decode.layer", "prefill_together.layer", "sample_row",
+          "detokenise", "policy.on_tokens_processed", "policy.peek_next"]
+
+
+@pytest.fixture(scope="module")
+def reference8(tiny_model):
+    engine = make_engine(tiny_model, max_batch_size=8, prefill_chunk_size=8)
+    handles, _, _ = run(engine, PLAN8)
+    return [h.output.token_ids for h in handles]
+
+
+@pytest.mark.parametrize("backend", ["padded", "paged"])
+@pytest.mark.parametrize("site", SITES8)
+def test_a_fault_anywhere_in_a_tick_of_8_rows_fails_only_the_rows_it_touched(
+        tiny_model, reference8, backend, site):
+    engine = make_engine(tiny_model, backend=backend, max_batch_size=8, prefill_chunk_size=8)
+    s, state = engine.scheduler, None
+    if site == "decode.before_mask":
+        state = inject(s.backend, "decode_step_batched", 2)
+    elif site == "decode.layer":
+        state = arm_layer_fault(engine, "decode_step_batched")
+    elif site == "prefill_together.layer":
+        state = arm_layer_fault(engine, "prefill_together", 1)
+    elif site == "sample_row":
+        state = inject(s.sampler, "sample_row", 12)
+    elif site.startswith("policy."):
+        state = inject(s.policy, site.split(".")[1], 2)
+    handles = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in PLAN8]
+    if site == "detokenise":
+        state = arm_detokenise_fault(handles[5])
+    for _ in range(200):  # what the worker thread does, tick after tick
+        if not s.has_work():
+            break
+        try:
+            engine.step()
+        except Exception as e:
+            engine.recover(e)
+        s.check_invariants()
+    assert state["fired"] and s.is_drained()
+    assert all(h.finished for h in handles)
+    errored = [i for i, h in enumerate(handles) if h.output.finish_reason == "error"]
+    for i, h in enumerate(handles):
+        if i not in errored:
+            assert h.output.token_ids == reference8[i], (site, i)
+        else:
+            assert "injected fault" in h.events[-1].error
+    if site in ("decode.before_mask", "decode.layer", "prefill_together.layer"):
+        rows = [r if hasattr(r, "request_id") else r[0] for r in state["args"][0]]
+        touched = {int(r.request_id.split("-")[1]) for r in rows}  # req-N is the N-th submit
+        assert len(touched) > 1 and set(errored) == touched, (site, errored, touched)
+    else:  # one row's sampling, text or charge; a peek touches no row
+        assert len(errored) == (0 if site == "policy.peek_next" else 1), (site, errored)
+    again = engine.submit([3, 1, 4, 1, 5], SamplingParams(max_tokens=4, ignore_eos=True))
+    for _ in range(20):
+        if again.finished:
+            break
+        engine.step()
+    assert again.output.finish_reason == "length" and s.is_drained()
+
+
+def test_a_layer_fault_in_the_padded_decode_leaves_the_worker_serving(tiny_model):
+    """Issue 23's reproduction: 8 rows decoding on the padded backend, one layer raises
+    once in the decode forward, the worker thread runs it. Before: 1 row got an
+    AssertionError, 7 got worker_dead, and every later request 503."""
+    engine = make_engine(tiny_model, max_batch_size=8, prefill_chunk_size=8)
+    state = arm_layer_fault(engine, "decode_step_batched", 3)
+    with engine:
+        handles = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True))
+                   for p, n in PLAN8]
+        for h in handles:
+            h.result(timeout=30)
+        assert state["fired"] and engine.running
+        assert {h.output.finish_reason for h in handles} == {"error"}
+        assert all("injected fault" in h.events[-1].error for h in handles)
+        again = engine.submit([3, 1, 4], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert again.result(timeout=30).finish_reason == "length" and engine.running
+
+
+@pytest.mark.real_model
+def test_a_layer_fault_on_the_real_model_fails_its_batch_and_the_engine_serves_on(real_model):
+    model, tok = real_model
+    engine = make_engine(model, tok, max_batch_size=8, prefill_chunk_size=32)
+    state = arm_layer_fault(engine, "decode_step_batched", 2)
+    prompts = [f"Count to {i}:" for i in range(8)]
+    handles = [engine.submit(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts]
+    for _ in range(50):
+        if not engine.scheduler.has_work():
+            break
+        try:
+            engine.step()
+        except Exception as e:
+            engine.recover(e)
+        engine.check_invariants()
+    assert state["fired"] and engine.scheduler.is_drained()
+    assert {h.output.finish_reason for h in handles} == {"error"}
+    out = engine.generate("Hello", SamplingParams(max_tokens=3))[0]
+    assert out.finish_reason in ("length", "stop") and engine.scheduler.is_drained()

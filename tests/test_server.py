@@ -53,7 +53,8 @@ def serving(api_key=None, app_kw=None, **cfg):
 
 @pytest.fixture(scope="module")
 def server():
-    with serving() as (url, engine):
+    # priority is a grant (H5): this server's operator lets every client set it
+    with serving(app_kw={"allow_priority": True}) as (url, engine):
         yield url, engine
 
 

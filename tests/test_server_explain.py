@@ -61,7 +61,12 @@ def test_a_bad_or_live_request_id_is_refused_naming_the_header():
         t.start()
         while not engine.scheduler.requests:
             time.sleep(0.02)
-        r = httpx.post(srv.url + "/v1/completions", headers={"X-Request-Id": "same"},
+        r = httpx.post(srv.url + "/v1/completions", headers={"X-Request-Id": "same",
+                                                             "X-Session-Id": "s"},
                        json={"prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 400 and "still running" in r.json()["error"]["message"]
+        # another session's name space: the same id neither collides nor confirms it (H5)
+        r = httpx.post(srv.url + "/v1/completions", headers={"X-Request-Id": "same"},
+                       json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200
         t.join()

@@ -253,15 +253,61 @@ def test_an_idle_keep_alive_connection_is_closed():
         assert closed_within(s, 5) and time.monotonic() - t0 < 4
 
 
-def test_connections_beyond_the_limit_get_503():
-    limits = ServerLimits(max_connections=2, header_timeout_s=5)
+def slow_body(url, declared=100_000):
+    """A request whose headers are complete and whose body has only begun (issue 23)."""
+    s = raw_connection(url)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+              b"\r\nContent-Length: " + str(declared).encode() + b"\r\n\r\n{")
+    return s
+
+
+def test_a_body_trickled_a_byte_at_a_time_gets_408_at_the_total_deadline():
+    """Before issue 23 the deadline was per chunk: a byte every 20 s held a connection
+    forever. Each byte here comes well inside body_timeout_s; the body as a whole never
+    does."""
+    limits = ServerLimits(body_timeout_s=1.0)
     with serving(limits) as (srv, _):
-        held = [raw_connection(srv.url) for _ in range(3)]  # silent: they hold their slots
-        time.sleep(0.2)
-        r = httpx.get(srv.url + "/health", timeout=5)
-        assert r.status_code == 503
+        s = slow_body(srv.url)
+        s.settimeout(0.3)
+        reply = b""
+        for _ in range(30):  # up to ~9 s of trickling, a byte every 0.3 s
+            try:
+                s.sendall(b" ")
+                reply += s.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if b"request_timeout" in reply:
+                break
+        assert b" 408 " in reply.split(b"\r\n")[0] and b"request_timeout" in reply
+
+
+def test_slow_bodies_in_every_slot_leave_health_answering_and_refuse_others_in_openai_shape():
+    limits = ServerLimits(max_connections=3, header_timeout_s=5, body_timeout_s=20)
+    with serving(limits) as (srv, _):
+        held = [slow_body(srv.url) for _ in range(3)]  # every request slot is taken
+        time.sleep(0.3)
+        assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
+        r = post(srv.url, {"prompt": "hi", "max_tokens": 1}, timeout=5)
+        assert r.status_code == 503 and openai_error(r)["code"] == "too_many_connections"
         for s in held:
             s.close()
+
+
+def test_connections_beyond_the_limit_and_its_reserve_get_503_in_openai_shape():
+    from minserve.server.limits import HEALTH_RESERVE
+
+    limits = ServerLimits(max_connections=1, header_timeout_s=5)
+    with serving(limits) as (srv, _):
+        held = [raw_connection(srv.url) for _ in range(1 + HEALTH_RESERVE)]  # silent
+        time.sleep(0.2)
+        r = httpx.get(srv.url + "/health", timeout=5)
+        assert r.status_code == 503 and openai_error(r)["code"] == "too_many_connections"
+        for s in held:
+            s.close()
+        time.sleep(0.2)
+        assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
 
 
 # ------------------------------------------------------------------ 11. smaller

@@ -116,6 +116,11 @@ class Backend(ABC):
     def remove_row(self, req: Request) -> None:
         """Drop the row's KV (staging or batch). Unknown rows are ignored."""
 
+    def reset(self) -> None:
+        """Forget every row, staging and batch, without checks: the scheduler's last resort
+        after a fault may have broken the bookkeeping (`Scheduler.fail_all`). Both
+        backends here override it; one that keeps no row state needs nothing."""
+
     @property
     @abstractmethod
     def kv_length(self) -> int:

@@ -233,12 +233,16 @@ class PaddedBackend(Backend):
         width = self.mask.shape[1]  # R3: the mask's own width, not kv_length
         grow = max(0, n - width)  # columns to add on the left of the existing batch
         row_pad = max(0, width - n)  # columns to add on the left of the new row
-        for big, small in zip(self.cache.layers, row.layers):
-            big.keys = torch.cat([F.pad(big.keys, (0, 0, grow, 0)), F.pad(small.keys, (0, 0, row_pad, 0))])
-            big.values = torch.cat([F.pad(big.values, (0, 0, grow, 0)),
-                                    F.pad(small.values, (0, 0, row_pad, 0))])
+        # Build every new tensor first, assign after: a failure half-way changes nothing.
+        grown = [(torch.cat([F.pad(big.keys, (0, 0, grow, 0)), F.pad(small.keys, (0, 0, row_pad, 0))]),
+                  torch.cat([F.pad(big.values, (0, 0, grow, 0)),
+                             F.pad(small.values, (0, 0, row_pad, 0))]))
+                 for big, small in zip(self.cache.layers, row.layers)]
         new_mask_row = F.pad(torch.ones(1, n, dtype=torch.long, device=self.device), (row_pad, 0))
-        self.mask = torch.cat([F.pad(self.mask, (grow, 0)), new_mask_row])  # (B+1, max(L, n))
+        mask = torch.cat([F.pad(self.mask, (grow, 0)), new_mask_row])  # (B+1, max(L, n))
+        for big, (k, v) in zip(self.cache.layers, grown):
+            big.keys, big.values = k, v
+        self.mask = mask
         self.row_ids.append(req.request_id)
         self.check_invariants()
 
@@ -253,12 +257,30 @@ class PaddedBackend(Backend):
         for r, t in zip(reqs, token_ids):
             col[order[r.request_id], 0] = t
         pos = self.mask.sum(dim=1, keepdim=True)  # (B, 1): a row's count of real tokens
-        self.mask = torch.cat([self.mask, torch.ones_like(col)], dim=1)  # (B, L+1)
-        out = self.model(input_ids=col, attention_mask=self.mask, position_ids=pos,
-                         use_cache=True, **{self.cache_arg: self.cache})
-        logits = out.logits[:, -1].float()  # (B, V) in batch order
-        self.check_invariants()
+        # All or nothing: the forward widens the mask and, layer by layer, the cache. If it
+        # raises half-way (layer 0 grew to L+1 columns, layer 1 did not), put back the mask
+        # and every layer's (B, H_kv, L, D) view as they were, so R3 holds again and the
+        # scheduler can remove the failed rows one by one (issue 23: the widened mask made
+        # `remove_row`'s R3 check fail inside the error path and killed the worker).
+        saved = (self.mask, [(layer.keys, layer.values) for layer in self.cache.layers])
+        try:
+            self.mask = torch.cat([self.mask, torch.ones_like(col)], dim=1)  # (B, L+1)
+            out = self.model(input_ids=col, attention_mask=self.mask, position_ids=pos,
+                             use_cache=True, **{self.cache_arg: self.cache})
+            logits = out.logits[:, -1].float()  # (B, V) in batch order
+            self.check_invariants()
+        except BaseException:
+            self._restore(saved)
+            raise
         return logits[torch.tensor([order[r.request_id] for r in reqs], device=self.device)]
+
+    def _restore(self, saved) -> None:
+        """Put back the mask and the layers' keys/values saved before a forward. The
+        in-place buffers only ever wrote *past* the saved views' last column, so the
+        saved views still hold exactly the KV they held."""
+        self.mask, layers = saved
+        for layer, (k, v) in zip(self.cache.layers, layers):
+            layer.keys, layer.values = k, v
 
     def remove_row(self, req: Request) -> None:
         if self.staging.pop(req.request_id, None) is not None or req.request_id not in self.row_ids:
@@ -282,6 +304,13 @@ class PaddedBackend(Backend):
             layer.keys = layer.keys[idx, :, first:]
             layer.values = layer.values[idx, :, first:]
         self.check_invariants()
+
+    def reset(self) -> None:
+        """Forget every row, staging and batch, without checking anything: the last resort
+        of `Scheduler.fail_all` when the bookkeeping itself may be what broke."""
+        self.staging.clear()
+        self.row_ids, self.cache = [], None
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
 
     # --- metrics and checks ----------------------------------------------------------------
     @property

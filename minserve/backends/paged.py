@@ -382,6 +382,11 @@ class PagedBackend(Backend):
         self.staging.pop(req.request_id, None)
         self.rows.pop(req.request_id, None)
 
+    def reset(self) -> None:
+        """Forget every row (blocks are the block manager's): `Scheduler.fail_all`'s last resort."""
+        self.staging.clear()
+        self.rows.clear()
+
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor,
                  tables: list[list[int]]) -> torch.Tensor:
         """One forward of the HF model over ids (B, T); last position's logits (B, V) float32."""

@@ -11,6 +11,9 @@ on both, so a 20-line ASGI class keeps the path from socket to handler plain.)
 from __future__ import annotations
 
 import hmac
+import json
+import re
+from dataclasses import dataclass, fields
 from typing import Any
 
 from ..engine import Engine
@@ -45,6 +48,78 @@ def model_card(engine: Engine, names: list[str], created: int) -> dict[str, Any]
             "max_model_len": engine.max_model_len, "aliases": names[1:]}
 
 
+TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Who a request comes from (SPEC H5), and what its key is granted.
+
+    `--api-keys-file` maps each API key to one of these. A request's session (`user` /
+    `X-Session-Id`) lives inside its tenant, and the fair counters, stats, explain,
+    request ids and the prefix cache are kept per tenant. `scoped` is False for the one
+    tenant of a server without a keys file (open, or `--api-key`): the engine then sees
+    no tenant at all, as before tenants existed."""
+
+    name: str
+    may_set_priority: bool = False  # may send a `priority` other than 0
+    may_read_all_stats: bool = False  # /scheduler/stats shows every tenant's counters
+    scoped: bool = True
+
+    def engine_tenant(self) -> str | None:
+        return self.name if self.scoped else None
+
+    def engine_session(self, session: str) -> str:
+        """The engine's session name: the tenant's prefix makes another tenant's unnameable."""
+        return f"{self.name}/{session}" if self.scoped else session
+
+
+GRANTS = tuple(f.name for f in fields(Tenant) if f.name.startswith("may_"))
+
+
+def parse_api_keys(data: Any, source: str = "the API keys") -> dict[str, Tenant]:
+    """`{"KEY": {"tenant": "NAME", "may_set_priority": false, ...}, ...}` -> key -> Tenant.
+    ValueError saying what to change for anything else (unknown grants included)."""
+    if not isinstance(data, dict) or not data:
+        raise ValueError(f"{source}: use a JSON object mapping each API key to "
+                         '{"tenant": NAME, "may_set_priority": false}')
+    keys = {}
+    for key, entry in data.items():
+        where = f"{source}: key {key[:4]}..."
+        if not isinstance(key, str) or len(key) < 8:
+            raise ValueError(f"{where}: an API key must be a string of 8 characters or more")
+        if not isinstance(entry, dict) or not isinstance(entry.get("tenant"), str):
+            raise ValueError(f'{where}: its value must be an object with "tenant": NAME')
+        if not TENANT_NAME.fullmatch(entry["tenant"]):
+            raise ValueError(f"{where}: tenant {entry['tenant']!r}: use 1-64 letters, digits "
+                             "and '._-'")
+        unknown = set(entry) - {"tenant", *GRANTS}
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; a key may have "
+                             f"'tenant' and the grants {list(GRANTS)}")
+        for g in GRANTS:
+            if not isinstance(entry.get(g, False), bool):
+                raise ValueError(f"{where}: {g} must be true or false")
+        keys[key] = Tenant(entry["tenant"], **{g: entry[g] for g in GRANTS if g in entry})
+    return keys
+
+
+def load_api_keys(path: str) -> dict[str, Tenant]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ValueError(f"--api-keys-file {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--api-keys-file {path}: not valid JSON ({e})") from None
+    return parse_api_keys(data, f"--api-keys-file {path}")
+
+
+def tenant_of(scope) -> Tenant | None:
+    """The tenant `BearerAuth` found for this request (None on a server without keys)."""
+    return (scope.get("state") or {}).get("minserve_tenant")
+
+
 class BearerAuth:
     """Pure-ASGI middleware: `Authorization: Bearer <api_key>` or 401 (`/health` stays open,
     for liveness probes). Checked before routing, so an unauthenticated client learns
@@ -56,8 +131,13 @@ class BearerAuth:
 
     OPEN_PATHS = ("/health",)
 
-    def __init__(self, app, api_key: str) -> None:
-        self.app, self.expected = app, api_key.encode()
+    def __init__(self, app, api_key: str | None = None,
+                 tenants: dict[str, Tenant] | None = None) -> None:
+        # one key (`--api-key`: one unscoped tenant that sees all stats), or many
+        tenants = tenants or {api_key: Tenant("default", may_read_all_stats=True,
+                                              scoped=False)}
+        self.app = app
+        self.keys = [(k.encode(), t) for k, t in tenants.items()]
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.OPEN_PATHS:
@@ -68,9 +148,13 @@ class BearerAuth:
                                        f"{len(given)}", code="duplicate_authorization")
             else:
                 scheme, _, token = (given[0] if given else b"").strip().partition(b" ")
-                ok = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(),
-                                                                          self.expected)
-                if not ok:  # compare_digest: constant time in the key
+                token, found = token.strip(), None
+                for key, tenant in self.keys:  # every key compared: no early exit to time
+                    if hmac.compare_digest(token, key) and scheme.lower() == b"bearer":
+                        found = tenant
+                if found is not None:
+                    scope.setdefault("state", {})["minserve_tenant"] = found
+                else:  # compare_digest: constant time in the key
                     err = OpenAIError(401, "missing or invalid API key: send 'Authorization: "
                                            "Bearer <key>'", code="invalid_api_key",
                                       headers={"WWW-Authenticate": "Bearer"})

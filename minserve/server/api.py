@@ -40,9 +40,9 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine import Engine
+from ..engine import Engine, request_cap_message
 from ..streaming import RequestHandle, StreamEvent
-from .access import BearerAuth, check_model, model_card, served_model_names
+from .access import BearerAuth, Tenant, check_model, model_card, served_model_names, tenant_of
 from .errors import (
     OpenAIError,
     bad_request,
@@ -64,24 +64,25 @@ __all__ = ["create_app", "rejection_response", "served_model_names", "OpenAIErro
 
 T = TypeVar("T")
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+MAX_PRIORITY = 10  # `priority` lies in [-MAX_PRIORITY, MAX_PRIORITY] (a grant, H5)
 
 
 class RecentOwners:
-    """request id -> session, for the newest `size` requests (bounded: a server runs for
-    months; explain answers about recent requests, engine.explain keeps as many)."""
+    """request id -> (tenant, session), for the newest `size` server-named requests
+    (bounded: a server runs for months; explain answers about recent requests)."""
 
     def __init__(self, size: int) -> None:
         self.size, self._owners = size, OrderedDict()
         self._lock = threading.Lock()
 
-    def add(self, request_id: str, session: str) -> None:
+    def add(self, request_id: str, session: tuple[str, str]) -> None:
         with self._lock:
             self._owners[request_id] = session
             self._owners.move_to_end(request_id)
             while len(self._owners) > self.size:
                 self._owners.popitem(last=False)
 
-    def get(self, request_id: str) -> str | None:
+    def get(self, request_id: str) -> tuple[str, str] | None:
         with self._lock:
             return self._owners.get(request_id)
 
@@ -89,15 +90,29 @@ class RecentOwners:
 def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: bool = True,
                default_max_tokens: int = 256, retry_after_s: float = 1.0,
                model_aliases: tuple[str, ...] = (), limits: ServerLimits | None = None,
-               session_stats: bool = False) -> FastAPI:
+               session_stats: bool = False, api_keys: dict[str, Any] | None = None,
+               allow_priority: bool = False) -> FastAPI:
     """The app. `manage_engine`: start the worker at startup and stop it at shutdown.
 
     `default_max_tokens` is used by chat requests that omit max_tokens
     (completions keep OpenAI's 16); `retry_after_s` goes into `Retry-After` on 429s.
     `limits`: see limits.py. `session_stats`: show every session's counters on
     /scheduler/stats to any caller (otherwise only behind `api_key`, or one's own).
+    `api_keys`: key -> Tenant (or its JSON dict, access.parse_api_keys): tenants (H5).
+    `allow_priority`: without keys, let any client set `priority` (the operator's call).
     """
+    from .access import parse_api_keys
+
     limits = limits or ServerLimits()
+    if api_keys and api_key:
+        raise ValueError("give api_key (one tenant) or api_keys (tenants), not both")
+    tenants = None
+    if api_keys:
+        tenants = {k: v if isinstance(v, Tenant) else parse_api_keys({k: v})[k]
+                   for k, v in api_keys.items()}
+    # a request BearerAuth let through without a tenant of its own is this one
+    open_tenant = Tenant("default", may_set_priority=allow_priority,
+                         may_read_all_stats=session_stats or bool(api_key), scoped=False)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -112,12 +127,17 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
     app.state.engine = engine
     app.state.draining = False  # set on SIGTERM (cli.MinserveServer): new requests get 503
     app.state.limits = limits
-    # request id -> the session that sent it (who may ask /scheduler/explain), newest last
+    app.state.tenants = tenants
+    # server-named request id -> (tenant, session) that sent it (who may ask explain)
     app.state.owners = RecentOwners(4096)
     install_error_handlers(app)
-    app.add_middleware(RequestLimits, limits=limits, state=app.state)
-    if api_key:  # added last: the outermost check, before anything else is looked at
-        app.add_middleware(BearerAuth, api_key=api_key)
+    app.add_middleware(RequestLimits, limits=limits, state=app.state,
+                       post_paths=("/v1/completions", "/v1/chat/completions"))
+    if api_key or tenants:  # added last: the outermost check, before anything else
+        app.add_middleware(BearerAuth, api_key=api_key, tenants=tenants)
+
+    def caller(request: Request) -> Tenant:
+        return tenant_of(request.scope) or open_tenant
     names = served_model_names(engine, model_aliases)
     started = int(time.time())
 
@@ -137,9 +157,14 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
         body.check_supported()
         body.check_limits(limits)
         prompt = body.single_prompt()
+        if not isinstance(prompt, str) and len(prompt) > engine.max_model_len:
+            raise bad_request(f"the prompt is {len(prompt)} token ids; this model's context "
+                              f"is {engine.max_model_len} tokens", "prompt",
+                              code="context_length_exceeded")
         ids = await _encode(engine, prompt, "prompt")
         return await _generate(engine, request, body, ids, "completion",
-                               OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS, retry_after_s, limits)
+                               OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS, retry_after_s, limits,
+                               caller(request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -148,28 +173,38 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
         body.check_limits(limits)
         ids = await _encode(engine, body.template_messages(), "messages")  # the chat template
         return await _generate(engine, request, body, ids, "chat", default_max_tokens,
-                               retry_after_s, limits)
+                               retry_after_s, limits, caller(request))
 
     @app.get("/scheduler/stats")
     def scheduler_stats(request: Request) -> dict[str, Any]:
         # A plain `def`: FastAPI runs it in a thread, so the brief queue lock that
         # stats() takes never stalls the event loop.
-        stats = engine.stats()
-        if session_stats or api_key:  # a flag, or a caller BearerAuth let in
+        stats, who = engine.stats(), caller(request)
+        if who.may_read_all_stats:  # a flag, the one --api-key, or a key's grant
             return stats
-        return aggregate_sessions(stats, request.headers.get("x-session-id"))
+        # counters are per tenant when there are tenants (fair.py `unit`), else per session
+        own = who.name if who.scoped else request.headers.get("x-session-id")
+        return aggregate_sessions(stats, own)
 
     @app.get("/scheduler/explain/{request_id}")
     def explain_request(request_id: str, request: Request) -> dict[str, Any]:
         """Where a request is and why (engine.explain). Only for the session that sent it
-        (X-Session-Id / `user`, as when it was sent); anyone else gets the same 404 as for
-        an id that does not exist, so ids of other sessions cannot be probed."""
-        owner = app.state.owners.get(request_id)
-        caller = request.headers.get("x-session-id") or "default"
-        if owner is None or owner != caller:
+        (X-Session-Id / `user`, as when it was sent, in the caller's tenant); anyone else
+        gets the same 404 as for an id that does not exist, so ids of other sessions
+        cannot be probed. A client-named id lives in its session's own namespace
+        (`engine_request_id`): nobody else can reuse, confirm or shadow it (H5)."""
+        who = caller(request)
+        session = request.headers.get("x-session-id") or "default"
+        named = engine_request_id(who, session, request_id)
+        s = engine.scheduler
+        if named in s.requests or named in s.recent_finished:
+            internal = named
+        elif app.state.owners.get(request_id) == (who.name, session):
+            internal = request_id  # a server-named id (cmpl-<uuid>) of this session
+        else:
             raise OpenAIError(404, f"no request {request_id!r} for this session",
                               "invalid_request_error", code="request_not_found")
-        return engine.explain(request_id)
+        return scrub_explain(engine.explain(internal), internal, request_id, session)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -183,37 +218,60 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
                                         "server_error", code="worker_dead").body()["error"]
         return JSONResponse(body, status_code=200 if alive else 503)
 
+    # HEAD /health: what some load balancers probe with (same answer, no body)
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
     return app
 
 
 # ==================================================================== one request
 async def _generate(engine: Engine, request: Request, body: GenerationRequest, ids: list[int],
                     kind: str, default_max_tokens: int, retry_after_s: float,
-                    limits: ServerLimits) -> Response:
+                    limits: ServerLimits, tenant: Tenant) -> Response:
     """Submit, wait for the first event, then answer: 429, streamed 200 or JSON 200."""
+    check_priority(body.priority, tenant)
+    cap = engine.request_kv_cap  # H5: what one request may reserve, prompt + max_tokens
+    if engine.config.max_request_kv_share < 1:
+        if body.requested_max_tokens() is None:  # the default shrinks to fit the cap
+            default_max_tokens = max(1, min(default_max_tokens, cap - len(ids)))
+        asked = body.requested_max_tokens() or default_max_tokens
+        if len(ids) + asked > cap:
+            raise OpenAIError(400, request_cap_message(
+                len(ids), asked, cap, engine.scheduler.kv_budget_tokens,
+                engine.config.max_request_kv_share), param="max_tokens",
+                code="request_too_large")
     sampling = sampling_params(body, len(ids), engine.max_model_len, default_max_tokens)
+    sessions = request.headers.getlist("x-session-id")
+    if len(sessions) > 1:  # which one a proxy or we would believe is ambiguous
+        raise bad_request(f"send one X-Session-Id header, not {len(sessions)}", "X-Session-Id",
+                          code="duplicate_session_id")
     session = body.user or request.headers.get("x-session-id") or "default"  # H2
     if len(session) > limits.max_user_chars:
         raise bad_request(f"the session name (X-Session-Id) is {len(session)} characters; at "
                           f"most {limits.max_user_chars} are allowed", "user")
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    engine_id = request.headers.get("x-request-id") or rid  # the client may name it
-    if not REQUEST_ID.fullmatch(engine_id):
+    client_id = request.headers.get("x-request-id")  # the client may name it
+    if client_id is not None and not REQUEST_ID.fullmatch(client_id):
         raise bad_request("X-Request-Id must be 1-128 characters of letters, digits and "
                           "'._:-'", "X-Request-Id")
+    # A client's name lives in its own (tenant, session) namespace: it can collide only
+    # with its own running request, never confirm or shadow another's (H5).
+    engine_id = engine_request_id(tenant, session, client_id) if client_id else rid
     if engine_id in engine.scheduler.requests:
-        raise bad_request(f"X-Request-Id {engine_id!r} names a request that is still "
-                          "running; use a new id", "X-Request-Id")
+        raise bad_request(f"X-Request-Id {client_id!r} names a request of yours that is "
+                          "still running; use a new id", "X-Request-Id")
     if not engine.running:  # nobody would ever tick this request: say so instead of hanging
         raise OpenAIError(503, "the engine's worker thread is not running (see GET /health)",
                           "server_error", code="worker_dead")
     try:
-        handle = engine.submit(ids, sampling, session_id=session, priority=body.priority,
-                               request_id=engine_id)
+        handle = engine.submit(ids, sampling, session_id=tenant.engine_session(session),
+                               priority=body.priority, request_id=engine_id,
+                               tenant=tenant.engine_tenant())
     except ValueError as e:
         raise bad_request(str(e), "prompt") from None
     handle.wait_for_worker()  # if the worker dies now, the loop below says so (503)
-    request.app.state.owners.add(engine_id, session)
+    if not client_id:
+        request.app.state.owners.add(engine_id, (tenant.name, session))
+    engine_id = client_id or engine_id  # what the client is told (x-request-id)
     shaper = ResponseShaper(kind, rid, engine.model_name, len(ids), session, body.priority)
     events = _while_worker_lives(engine, handle.__aiter__())
     handed_off = False  # True once a streaming response owns the cancel
@@ -379,6 +437,43 @@ async def _while_worker_lives(engine: Engine, events: AsyncIterator[StreamEvent]
             pending.cancel()
             await asyncio.wait({pending})  # let it unwind before closing what it iterates
         await events.aclose()
+
+
+def check_priority(priority: int, tenant: Tenant) -> None:
+    """H5: a priority other than the default is a grant, in a bounded range."""
+    if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise bad_request(f"priority={priority}; use an integer in [-{MAX_PRIORITY}, "
+                          f"{MAX_PRIORITY}] (higher runs first; default 0)", "priority",
+                          code="priority_out_of_range")
+    if priority != 0 and not tenant.may_set_priority:
+        raise OpenAIError(403, "setting 'priority' needs a grant: only keys with "
+                               '"may_set_priority": true in --api-keys-file (or any client of '
+                               "a server started with --allow-priority) may send a priority "
+                               "other than 0", "permission_error", param="priority",
+                          code="priority_not_granted")
+
+
+def engine_request_id(tenant: Tenant, session: str, client_id: str) -> str:
+    """The engine's id for a client-named request: its tenant and session, then its name
+    (a name holds no '/', a tenant none either, so the split is never ambiguous)."""
+    return f"{tenant.name}/{session}/{client_id}"
+
+
+def scrub_explain(out: dict[str, Any], internal: str, client_id: str,
+                  session: str) -> dict[str, Any]:
+    """engine.explain for its owner: the ids and the session as the client knows them, and
+    nothing about other requests (the head that holds it: only whether it is its own)."""
+    out = {**out, "request_id": client_id}
+    if "session" in out:
+        out["session"] = session
+    held = out.get("held_by")
+    if held is not None:
+        mine = held.get("request_id") == internal
+        out["held_by"] = ({**held, "request_id": client_id} if mine else
+                          {"gate": held.get("gate"), "reason": held.get("reason"),
+                           "hard": held.get("hard"), "request_id": None,
+                           "note": "the head of the queue is another client's request"})
+    return out
 
 
 def aggregate_sessions(stats: dict[str, Any], own: str | None) -> dict[str, Any]:

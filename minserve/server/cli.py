@@ -39,10 +39,16 @@ from .limits import ServerLimits
 # stall everybody else's stream for its whole prefill (C1). `minserve.bench.long_prompt`
 # measures the stall both ways (docs/benchmarks.md); `--prefill-chunk-size 0` restores
 # monolithic prefill. The chat demo (app.py) starts from these too.
-SERVING_DEFAULTS: dict[str, Any] = {"prefill_chunk_size": 256}
+#
+# And what a server a class shares needs (issue 23, docs/security.md): no request may
+# reserve more than half the KV budget, nor one tenant's rows together, so a maximal
+# request never holds everybody out; and one session holds at most half the batch rows.
+SERVING_DEFAULTS: dict[str, Any] = {"prefill_chunk_size": 256, "max_request_kv_share": 0.5,
+                                    "max_tenant_kv_share": 0.5, "max_rows_per_session": 4}
 CHOICES = {"policy": POLICIES, "backend": BACKENDS, "dtype": DTYPES, "admission": ADMISSIONS,
            "prefill_mode": tuple(m.value for m in PrefillMode)}
-SERVER_ENV = {"host": "MINSERVE_HOST", "port": "MINSERVE_PORT", "api_key": "MINSERVE_API_KEY"}
+SERVER_ENV = {"host": "MINSERVE_HOST", "port": "MINSERVE_PORT", "api_key": "MINSERVE_API_KEY",
+              "api_keys_file": "MINSERVE_API_KEYS_FILE"}
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -91,6 +97,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on every route but /health "
                           "(env MINSERVE_API_KEY; default: no key)")
+    srv.add_argument("--api-keys-file", default=None,
+                     help="a JSON file mapping each API key to its tenant and grants, "
+                          '{"KEY": {"tenant": "NAME", "may_set_priority": false, '
+                          '"may_read_all_stats": false}} (docs/security.md); env '
+                          "MINSERVE_API_KEYS_FILE")
+    srv.add_argument("--allow-priority", action="store_true",
+                     help="without --api-keys-file: let any client set 'priority' (default: "
+                          "priority is a grant of a key in --api-keys-file)")
     srv.add_argument("--default-max-tokens", type=int, default=256,
                      help="chat requests that omit max_tokens get this many (completions "
                           "keep OpenAI's 16); capped by the context left")
@@ -189,7 +203,11 @@ def server_settings(args: argparse.Namespace, env: dict[str, str] | None = None)
     host = args.host or env.get(SERVER_ENV["host"]) or "127.0.0.1"
     port = args.port if args.port is not None else int(env.get(SERVER_ENV["port"]) or 8000)
     api_key = args.api_key or env.get(SERVER_ENV["api_key"]) or None
-    return {"host": host, "port": port, "api_key": api_key}
+    keys_file = (getattr(args, "api_keys_file", None) or env.get(SERVER_ENV["api_keys_file"])
+                 or None)
+    if api_key and keys_file:
+        raise ValueError("give --api-key (one tenant) or --api-keys-file (tenants), not both")
+    return {"host": host, "port": port, "api_key": api_key, "api_keys_file": keys_file}
 
 
 def limits_from_args(args: argparse.Namespace) -> ServerLimits:
@@ -205,6 +223,11 @@ def serve(args: argparse.Namespace) -> int:
         settings = server_settings(args)
         limits = limits_from_args(args)
         apply_threads(args)
+        api_keys = None
+        if settings["api_keys_file"]:
+            from .access import load_api_keys
+
+            api_keys = load_api_keys(settings["api_keys_file"])
     except ValueError as e:
         print(f"minserve serve: error: {e}", file=sys.stderr)
         return 2
@@ -222,19 +245,37 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as e:  # a device this machine lacks, a bad model path, ...
         print(f"minserve serve: error: {e}", file=sys.stderr)
         return 2
-    if settings["host"] not in ("127.0.0.1", "localhost", "::1") and not settings["api_key"]:
+    if (settings["host"] not in ("127.0.0.1", "localhost", "::1") and not settings["api_key"]
+            and not api_keys):
         print(f"warning: serving on {settings['host']} without --api-key: anyone who can reach "
               "this port can use the model", file=sys.stderr)
+    print(tenancy_line(api_keys, settings["api_key"], args.allow_priority), file=sys.stderr)
     app = create_app(engine, api_key=settings["api_key"], retry_after_s=args.retry_after,
                      default_max_tokens=args.default_max_tokens,
                      model_aliases=tuple(args.model_alias), limits=limits,
-                     session_stats=args.session_stats)
+                     session_stats=args.session_stats, api_keys=api_keys,
+                     allow_priority=args.allow_priority)
     try:
         MinserveServer(uvicorn_config(app, settings["host"], settings["port"], limits,
                                       args.log_level)).run()
     except KeyboardInterrupt:  # a second Ctrl-C during the drain: as uvicorn.run does
         pass
     return 0
+
+
+def tenancy_line(api_keys, api_key, allow_priority: bool) -> str:
+    """What `serve` says at start-up about who shares what (H5)."""
+    if api_keys:
+        names = sorted({t.name for t in api_keys.values()})
+        granted = sorted({t.name for t in api_keys.values() if t.may_set_priority})
+        return (f"tenants: {len(names)} ({', '.join(names[:8])}{', ...' if len(names) > 8 else ''})"
+                f" from {len(api_keys)} keys; each has its own sessions, fair counter, stats, "
+                f"explain, request ids and prefix cache; priority granted to: "
+                f"{', '.join(granted) or 'nobody'}")
+    who = "one --api-key" if api_key else "no key"
+    return (f"one tenant ({who}): every client shares the sessions' names, the fair counters "
+            "and the prefix cache; give each user a key with --api-keys-file to separate "
+            f"them. priority: {'any client may set it (--allow-priority)' if allow_priority else 'fixed at 0'}")
 
 
 class BackgroundServer:

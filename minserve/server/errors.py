@@ -119,6 +119,9 @@ def validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
         return bad_request(f"the request body is not valid JSON ({detail})".replace(" ()", ""),
                            code="invalid_json")
     if not loc:  # the body itself: not an object, or missing
+        if first.get("input") is None:
+            return bad_request("the request body is empty: send a JSON object, e.g. "
+                               '{"prompt": "Hello", "max_tokens": 16}', code="empty_body")
         got = type(first.get("input")).__name__
         return bad_request(f"the request body must be a JSON object, got {got}",
                            code="invalid_type")

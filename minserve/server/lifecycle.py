@@ -32,9 +32,11 @@ from .limits import SHUTTING_DOWN, ServerLimits, timed_h11_protocol
 def uvicorn_config(app, host: str, port: int, limits: ServerLimits,
                    log_level: str = "info") -> uvicorn.Config:
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                          http=timed_h11_protocol(limits.header_timeout_s),
+                          http=timed_h11_protocol(limits.header_timeout_s,
+                                                  limits.max_connections),
                           timeout_keep_alive=limits.keep_alive_s,
-                          limit_concurrency=limits.max_connections,
+                          # not uvicorn's limit_concurrency: its 503 is plain text, and
+                          # it would refuse /health too (limits.py counts instead)
                           timeout_graceful_shutdown=5)
 
 

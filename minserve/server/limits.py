@@ -7,7 +7,9 @@ starve the whole service:
     what                        where it is enforced                     answer
     body size                   `RequestLimits`, from Content-Length      413, before reading it
                                 (and counted while reading a chunked one)
-    body read time              `RequestLimits`, per body chunk           408
+    body read time              `RequestLimits`, the whole body (a total  408
+                                deadline, not per chunk: a byte every
+                                20 s must not hold a connection forever)
     Content-Type                `RequestLimits`, POST only                415
     prompt characters           the route, before tokenising              400
     stop strings, `user`        the request schema                        400
@@ -15,7 +17,9 @@ starve the whole service:
                                 a connection that never finishes its
                                 request line and headers: slowloris)
     idle keep-alive             uvicorn `timeout_keep_alive`              connection closed
-    concurrent connections      uvicorn `limit_concurrency`               503
+    requests in flight          `RequestLimits` (`/health` is exempt)     503, OpenAI's shape
+    open connections            `TimedH11Protocol`: max_connections +     503, OpenAI's shape
+                                HEALTH_RESERVE (room kept for /health)
     shutdown grace              `MinserveServer.handle_exit` (cli.py)     final chunk / 503
 
 Tokenising runs in a worker thread (the route awaits it), never on the event
@@ -25,6 +29,7 @@ loop, so a large prompt no longer freezes `/health` and every stream.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, fields
 
 from .errors import OpenAIError
@@ -40,9 +45,9 @@ class ServerLimits:
     max_stop_chars: int = 200  # per stop string
     max_user_chars: int = 256  # the `user` field / X-Session-Id: a fair-policy session name
     header_timeout_s: float = 10.0  # request line + headers must arrive within this
-    body_timeout_s: float = 30.0  # each chunk of a request body must arrive within this
+    body_timeout_s: float = 30.0  # the whole request body must arrive within this
     keep_alive_s: int = 5  # an idle keep-alive connection is closed after this
-    max_connections: int = 512  # concurrent connections; beyond: 503
+    max_connections: int = 512  # requests in flight (and open connections); beyond: 503
     shutdown_grace_s: float = 30.0  # on SIGTERM, running requests may finish within this
 
     def __post_init__(self) -> None:
@@ -53,6 +58,14 @@ class ServerLimits:
 
 
 SHUTTING_DOWN = "the server is shutting down"
+HEALTH_RESERVE = 16  # connections beyond max_connections still accepted: /health answers
+OPEN_PATHS = ("/health",)  # never counted against max_connections
+
+
+def too_busy(limit: int) -> OpenAIError:
+    return OpenAIError(503, f"the server has {limit} requests in flight (max_connections); "
+                            "retry in a moment", "server_error", code="too_many_connections",
+                       headers={"Retry-After": "1"})
 
 
 def shutting_down_error() -> OpenAIError:
@@ -69,17 +82,31 @@ class RequestLimits:
     deadline per chunk, and handed on to the app.
     """
 
-    def __init__(self, app, limits: ServerLimits, state) -> None:
+    def __init__(self, app, limits: ServerLimits, state,
+                 post_paths: tuple[str, ...] | None = None) -> None:
         self.app, self.limits, self.state = app, limits, state
+        self.post_paths = post_paths  # POST routes (another path: the router's 404)
+        self.in_flight = 0  # requests past this door and not answered yet (one event loop)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
+        if self.in_flight >= self.limits.max_connections:
+            await too_busy(self.limits.max_connections).response()(scope, receive, send)
+            return
+        self.in_flight += 1
+        try:
+            await self._checked(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+    async def _checked(self, scope, receive, send) -> None:
         if getattr(self.state, "draining", False) and scope["path"] != "/health":
             await shutting_down_error().response()(scope, receive, send)
             return
-        if scope["method"] != "POST":
+        if scope["method"] != "POST" or (self.post_paths is not None
+                                         and scope["path"] not in self.post_paths):
             await self.app(scope, receive, send)
             return
         headers = {}
@@ -105,12 +132,17 @@ class RequestLimits:
         await self.app(scope, _replay(body, receive), send)
 
     async def _read_body(self, receive, limit: int) -> bytes:
-        """The whole body (at most `limit` bytes; FastAPI would read it all anyway), each
-        chunk's wait bounded by `body_timeout_s`."""
+        """The whole body (at most `limit` bytes; FastAPI would read it all anyway) within
+        `body_timeout_s` in all: one deadline for the body, not one per chunk (issue 23:
+        a byte every 20 s kept 511 connections open under a per-chunk 30 s)."""
         timeout, parts, seen = self.limits.body_timeout_s, [], 0
+        deadline = asyncio.get_running_loop().time() + timeout
         while True:
             try:
-                msg = await asyncio.wait_for(receive(), timeout)
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    raise asyncio.TimeoutError
+                msg = await asyncio.wait_for(receive(), left)
             except asyncio.TimeoutError:
                 raise OpenAIError(408, f"the request body did not arrive within {timeout:g} s",
                                   code="request_timeout") from None
@@ -145,7 +177,7 @@ def too_large(limit: int) -> OpenAIError:
     return OpenAIError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
 
 
-def timed_h11_protocol(header_timeout_s: float):
+def timed_h11_protocol(header_timeout_s: float, max_connections: int | None = None):
     """uvicorn's h11 protocol with a deadline for the request line and headers.
 
     uvicorn times out an idle keep-alive connection, but not one that was just
@@ -160,6 +192,16 @@ def timed_h11_protocol(header_timeout_s: float):
     class TimedH11Protocol(H11Protocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            self._header_timer = None
+            self.limit_concurrency = None  # uvicorn's own 503 is plain text: ours is below
+            if (max_connections is not None
+                    and len(self.connections) > max_connections + HEALTH_RESERVE):
+                payload = json.dumps(too_busy(max_connections).body()).encode()
+                transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: "
+                                b"application/json\r\nconnection: close\r\ncontent-length: "
+                                + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+                transport.close()
+                return
             self._header_timer = self.loop.call_later(header_timeout_s, self._headers_too_slow)
 
         def data_received(self, data: bytes) -> None:

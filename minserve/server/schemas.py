@@ -159,6 +159,8 @@ class CompletionRequest(GenerationRequest):
         p = self.prompt
         if isinstance(p, str):
             return len(p)
+        if p and all(isinstance(x, int) for x in p):  # one list of token ids: one each
+            return len(p)
         return sum(len(x) for x in p if isinstance(x, (str, list)))  # ids count as one each
 
     def strings(self):
