@@ -161,6 +161,11 @@ def check_shared_free(cls) -> None:
 
 
 SYSTEM = list(range(40, 72))  # a 32-token system prompt: 2 blocks of 16
+# five requests whose 17-token questions fill a third block of their own, in a pool of 7
+# blocks: finished requests leave cached blocks, and later ones must evict some (2 with
+# minserve's BlockManager; a pool of 8 evicts none)
+EVICTING = {"questions": tuple(tuple(range(100 + 20 * k, 117 + 20 * k)) for k in range(5)),
+            "max_tokens": 4, "num_blocks": 7, "min_evictions": 1}
 
 
 @guarded_check(60, reference, WHERE)

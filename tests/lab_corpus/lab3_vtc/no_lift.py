@@ -17,15 +17,6 @@ class VTCLab(Policy):
     def on_request_arrived(self, req: Request) -> None:
         s = req.session_id
         self.counters.setdefault(s, 0.0)
-        rivals = {r.session_id for r in self.waiting}
-        if s not in rivals:
-            if rivals:
-                clock = min(self.counters[r] for r in rivals)
-            elif self.last_left is not None:
-                clock = self.counters[self.last_left]
-            else:
-                clock = None
-            pass
         self.waiting.append(req)
 
     def on_tokens_processed(self, req: Request, prompt_tokens: int, output_tokens: int) -> None:
