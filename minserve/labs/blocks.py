@@ -9,7 +9,8 @@ from __future__ import annotations
 from ..engine import Engine
 from ..kv_cache import BlockManager, NoFreeBlocksError
 from ..sampling import SamplingParams
-from .common import drain, fail, guarded_check, stock_tokens, student, tiny_engine
+from .common import drain, fail, stock_tokens, student, tiny_engine
+from .guard import guarded_check
 
 WHERE = ("docs/kv_cache.md (K1-K3: chained hashes, reference counts, LRU eviction) and notebook "
          "03_kv_blocks_and_prefix_caching.ipynb")

@@ -15,8 +15,9 @@ from ..bench.workload import Workload, make_workload
 from ..fair import FairPolicy
 from ..policies import FCFSPolicy, Policy
 from ..sampling import SamplingParams
-from .common import admission_order, drain, fail, guarded_check, make_req, student, tiny_engine
+from .common import admission_order, drain, fail, make_req, student, tiny_engine
 from .fcfs import use_policy
+from .guard import guarded_check
 
 WHERE = ("docs/policies.md (the hook table: the contract every policy honours) and "
          "docs/benchmarks.md (what `minserve bench` measures)")
@@ -143,19 +144,34 @@ def bench(policies: dict[str, Callable[[], Policy]], load: Workload,
 
 
 @guarded_check(120, reference, WHERE)
-def score(cls, seed: int = 0, sessions: str = "alice=3,bob=1,carol=1") -> list[RunResult]:
-    """The student's policy against FCFS and VTC on one workload; every request must complete
-    with all its tokens, and the policy must order them otherwise than FCFS (a key that
-    changes nothing is FCFS under another name). Returns the three runs (fcfs, vtc, mine)."""
-    load = workload(seed, sessions=sessions)
+def check_serves(cls, seed: int = 0, sessions: str = "alice=3,bob=1,carol=1",
+                 n: int = 32) -> list[int]:
+    """The contract, then the workload in step mode: every request completes with all its
+    tokens, and the policy orders them otherwise than FCFS (a key that changes nothing is
+    FCFS under another name). Returns the admission order (positions in the workload)."""
+    load = workload(seed, n=n, sessions=sessions)
     check_contract(cls, seed)
-    # a broken policy fails here, tick by tick, never hangs the bench
+    # a broken policy fails here, tick by tick, never hangs
     order = serve_step_mode(cls, load)
-    if order == serve_step_mode(FCFSPolicy, load):
+    # every request is queued before the first tick, all of priority 0: FCFS admits them
+    # in arrival order
+    if order == list(range(len(load.requests))):
         fail(f"on the workload (seed {seed}) your policy admitted the {len(order)} requests in "
              "exactly FCFS's order: the key changes nothing (a constant key, or arrival order "
              "alone). Order by what your goal needs (length, session, deadline, ...)",
              f"MyPolicy.key; {WHERE}")
+    return order
+
+
+@guarded_check(120, reference, WHERE)
+def score(cls, seed: int = 0, sessions: str = "alice=3,bob=1,carol=1",
+          n: int = 32) -> list[RunResult]:
+    """`check_serves`, then the student's policy against FCFS and VTC with `minserve bench`'s
+    engine target (serving mode: the engine's worker thread ticks while an event loop
+    submits and streams; it works inside Jupyter's running loop too). Every request must
+    complete with all its tokens. Returns the three runs (fcfs, vtc, mine)."""
+    check_serves(cls, seed, sessions, n)
+    load = workload(seed, n=n, sessions=sessions)
     runs = bench({"fcfs": FCFSPolicy, "vtc": FairPolicy,
                   "mine": lambda: student(cls, name="MyPolicy()", where=WHERE)}, load)
     mine = runs[-1]

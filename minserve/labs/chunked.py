@@ -12,7 +12,8 @@ from ..engine import Engine
 from ..request import Request
 from ..sampling import SamplingParams
 from ..scheduler import Scheduler
-from .common import drain, fail, guarded_check, make_req, stock_tokens, student, tiny_engine
+from .common import drain, fail, make_req, stock_tokens, student, tiny_engine
+from .guard import guarded_check
 
 WHERE = ("docs/scheduler.md (chunked prefill, C1), the tick records in minserve/records.py "
          "(docs/inspecting.md) and notebook 06_chunked_prefill.ipynb")
@@ -88,7 +89,9 @@ def run(next_chunk, chunk: int, long_len: int = 96, short=3, max_tokens: int = 8
 @guarded_check(60, reference, WHERE)
 def check_in_engine(next_chunk, chunk: int = 16, long_len: int = 96) -> None:
     """Every tick pushes at most `chunk` prompt tokens per row, the long prompt takes
-    ceil(long_len / chunk) ticks, and the tokens equal monolithic prefill's."""
+    ceil(long_len / chunk) ticks, and the tokens equal monolithic prefill's. The schedule's
+    own cases are checked first (a wrong piece is named there, before any engine runs)."""
+    check_schedule(next_chunk)
     engine, handles = run(next_chunk, chunk, long_len)
     long_id = handles[-1].request_id
     pieces = [c for rec in engine.trace for c in rec.prefill.chunks if c["request_id"] == long_id]
@@ -120,6 +123,7 @@ def check_measure(next_chunk, measure, chunks=(0, 16, 32),
     autograder's hidden test brings one); by default the public answers above (a chunk
     size they lack is measured, not checked). Returns one row per chunk size."""
     answers = PUBLIC_ANSWERS if answers is None else answers
+    check_schedule(next_chunk)
     rows = []
     for chunk in chunks:
         engine, handles = run(next_chunk, chunk)

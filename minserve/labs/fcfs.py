@@ -16,12 +16,12 @@ from .common import (
     admission_order,
     drain,
     fail,
-    guarded_check,
     make_req,
     stock_tokens,
     student,
     tiny_engine,
 )
+from .guard import guarded_check
 
 WHERE = "docs/policies.md (the hook table and P1) and notebook 01_one_tick.ipynb"
 HOOKS = ("__init__", "key", "on_request_arrived", "peek_next", "pick_next", "remove", "__iter__",

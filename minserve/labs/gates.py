@@ -10,7 +10,8 @@ from .. import gates as core_gates
 from ..engine import Engine
 from ..request import Rejection
 from ..sampling import SamplingParams
-from .common import drain, fail, guarded_check, student, tiny_engine
+from .common import drain, fail, student, tiny_engine
+from .guard import guarded_check
 
 WHERE = "the gate table in docs/gates.md (G1-G6) and notebook 05_backpressure_gates.ipynb"
 NAMES = ("check_queue_capacity", "check_kv_budget", "check_block_pool")

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from ..backends.padded import PaddedBackend
 from ..engine import Engine
 from ..sampling import SamplingParams
-from .common import drain, fail, guarded_check, stock_tokens, student, tiny_engine
+from .common import drain, fail, stock_tokens, student, tiny_engine
+from .guard import guarded_check
 
 WHERE = ("docs/backends.md (the padded backend, R3: mask width vs kv_length) and notebook "
          "02_padding_and_batched_kv.ipynb")

@@ -16,8 +16,9 @@ from collections import defaultdict
 
 from ..fair import FairPolicy
 from ..sampling import SamplingParams
-from .common import admission_order, drain, fail, guarded_check, make_req, student, tiny_engine
+from .common import admission_order, drain, fail, make_req, student, tiny_engine
 from .fcfs import use_policy
+from .guard import guarded_check
 
 WHERE = ("docs/policies.md (VTC: the charge P3, the lift P4, the 2U bound P5) and notebook "
          "04_policies_fcfs_vs_vtc.ipynb")
