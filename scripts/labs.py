@@ -11,13 +11,16 @@ assign` makes, per lab, `OUT/<lab>/student/` (stubs, public tests) and
 autograder zip that `otter run` and Gradescope take). OUT defaults to `build/labs`
 (git-ignored).
 
-The check, for every lab: the solution notebook passes every test (hidden ones too), and
-the student notebook, stubs as shipped, fails every test with a message. Both are graded
-the way otter grades: the notebook's code runs top to bottom (a cell that raises is
-recorded and the run goes on), then otter's own test-file runner
-(`otter.test_files.ExceptionTestFile`) runs each test against the resulting namespace.
-The notebooks run in this process, one after the other, so torch is imported once
-(`otter run` does the same per notebook in a fresh kernel: about 20 s each here).
+`make lab-check` (tests/test_labs.py) grades as a teacher will: every lab's solution and
+every typical wrong submission of tests/lab_corpus/<lab>/ (the student version with its
+graded cell replaced) goes through `otter run` with the lab's autograder zip, in a fresh
+kernel each; `grade_corpus` splits them over two processes, each calling otter run's own
+function for one submission after another (otter's imports are paid once per process,
+the kernel's per submission, as in a grading container). `check` is the quick in-process
+variant: the notebook's code runs top to bottom here (a cell that raises is recorded and
+the run goes on), then otter's own test-file runner (`otter.test_files.ExceptionTestFile`)
+runs each test against the resulting namespace; the test suite still uses it for the
+student versions, stubs as shipped.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ROOT / "notebooks" / "labs"
 CORPUS = ROOT / "tests" / "lab_corpus"
+SHIMS = ROOT / "scripts" / "grading_shims"  # see its one module: a 2 s import per kernel
 DEFAULT_OUT = ROOT / "build" / "labs"
 
 
@@ -226,12 +230,14 @@ def grade_corpus(built: dict[str, Path], work: Path, labs: list[str] | None = No
             jobs.append((f"{lab}/{m.name}", str(z), str(sub)))
     jobs.sort(key=lambda j: "capstone" not in j[0])  # the longest first: better balance
     shards = [jobs[i::workers] for i in range(workers)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(SHIMS), os.environ.get("PYTHONPATH", "")) if p)}
     procs = []
     for i, shard in enumerate(shards):
         spec = work / f"jobs{i}.json"
         spec.write_text(json.dumps(shard))
         procs.append(subprocess.Popen([sys.executable, __file__, "grade-jobs", str(spec)],
-                                      stdout=subprocess.PIPE, text=True, cwd=work))
+                                      stdout=subprocess.PIPE, text=True, cwd=work, env=env))
     results = {}
     for p in procs:
         out, _ = p.communicate(timeout=1200)

@@ -66,8 +66,13 @@ def built(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def otter_graded(built, tmp_path_factory):
-    """label -> `otter run` result, for every solution and every corpus submission."""
-    return labs_script.grade_corpus(built, tmp_path_factory.mktemp("submissions"), workers=2)
+    """label -> `otter run` result, for every solution and every corpus submission. The
+    table (scores, seconds per submission, first message) goes to build/labs/."""
+    results = labs_script.grade_corpus(built, tmp_path_factory.mktemp("submissions"), workers=2)
+    report = ROOT / "build" / "labs" / "grading-report.md"
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text(labs_script.corpus_report(results) + "\n")
+    return results
 
 
 def _score(result) -> tuple[float, float]:

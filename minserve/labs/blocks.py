@@ -77,7 +77,9 @@ def check_prefix_reuse(cls) -> None:
     hit = _call(bm, "allocate_prompt", "b", sys_prompt + [30, 31])
     if hit != 8:
         fail(f"a prompt starting with the same 8 tokens (2 computed full blocks) reused {hit} "
-             "cached tokens, expected 8", f"BlockManagerLab._cached_blocks; {WHERE}")
+             "cached tokens, expected 8: walk the prompt's full blocks chaining each hash from "
+             "its parent's (hash_block(parent_hash, tokens)), as mark_computed stored them",
+             f"BlockManagerLab._cached_blocks; {WHERE}")
     shared = bm.block_table("a")[:2]
     if bm.block_table("b")[:2] != shared or [bm.blocks[i].ref_count for i in shared] != [2, 2]:
         fail(f"b should share a's first two blocks {shared} with ref_count 2 each; b's table is "

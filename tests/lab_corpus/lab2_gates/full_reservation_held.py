@@ -1,5 +1,6 @@
 # mistake: G2 holds when reserved + need >= budget: the request that fills the budget to the last token waits
-# expect: check_kv_budget(need=15, reserved=25, budget=40)
+# expect: check_kv_budget(need=4, reserved=36, budget=40) returned Rejection(gate='G2', reason='kv_budget'
+# expect: it should pass (None)
 def check_queue_capacity(pending: int, max_queue_size: int) -> Rejection | None:
     if pending >= max_queue_size:
         return Rejection(gate="G1", reason="queue_full", hard=True,

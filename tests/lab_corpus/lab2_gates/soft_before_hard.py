@@ -1,5 +1,5 @@
 # mistake: G2 checks the soft hold before the hard refusal: a request that can never fit is held forever
-# expect: check_kv_budget(need=41, reserved=39, budget=40)
+# expect: check_kv_budget(need=50, reserved=0, budget=40) returned gate='G2', reason='kv_budget', hard=False
 # expect: expected gate='G2', reason='kv_budget_exceeded', hard=True
 def check_queue_capacity(pending: int, max_queue_size: int) -> Rejection | None:
     if pending >= max_queue_size:

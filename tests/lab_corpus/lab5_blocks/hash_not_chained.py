@@ -1,5 +1,6 @@
 # mistake: the block hash ignores the parent: the same tokens after a different prefix are reused
-# expect: must chain the parent's hash
+# expect: reused 4 cached tokens, expected 8
+# expect: chaining each hash from its parent's
 class BlockManagerLab(BlockManager):
 
     def _cached_blocks(self, token_ids: list[int]) -> list[int]:
