@@ -164,13 +164,12 @@ def check_serves(cls, seed: int = 0, sessions: str = "alice=3,bob=1,carol=1",
 
 
 @guarded_check(120, reference, WHERE)
-def score(cls, seed: int = 0, sessions: str = "alice=3,bob=1,carol=1",
-          n: int = 32) -> list[RunResult]:
-    """`check_serves`, then the student's policy against FCFS and VTC with `minserve bench`'s
-    engine target (serving mode: the engine's worker thread ticks while an event loop
-    submits and streams; it works inside Jupyter's running loop too). Every request must
-    complete with all its tokens. Returns the three runs (fcfs, vtc, mine)."""
-    check_serves(cls, seed, sessions, n)
+def compare(cls, seed: int = 0, sessions: str = "alice=3,bob=1,carol=1",
+            n: int = 32) -> list[RunResult]:
+    """The student's policy against FCFS and VTC with `minserve bench`'s engine target
+    (serving mode: the engine's worker thread ticks while an event loop submits and
+    streams; it works inside Jupyter's running loop too). Every request must complete with
+    all its tokens. Returns the three runs (fcfs, vtc, mine)."""
     load = workload(seed, n=n, sessions=sessions)
     runs = bench({"fcfs": FCFSPolicy, "vtc": FairPolicy,
                   "mine": lambda: student(cls, name="MyPolicy()", where=WHERE)}, load)
@@ -181,6 +180,14 @@ def score(cls, seed: int = 0, sessions: str = "alice=3,bob=1,carol=1",
              f"complete with all their tokens under your policy (first: {bad[0].to_dict()}); "
              f"the engine's last error: {mine.info['engine_stats'].get('last_error')}", WHERE)
     return runs
+
+
+def score(cls, seed: int = 0, sessions: str = "alice=3,bob=1,carol=1",
+          n: int = 32) -> list[RunResult]:
+    """`check_serves` (step mode, the graded properties), then `compare` (the bench's
+    numbers against FCFS and VTC). Returns the three runs (fcfs, vtc, mine)."""
+    check_serves(cls, seed, sessions, n)
+    return compare(cls, seed, sessions, n)
 
 
 def table(runs: list[RunResult]) -> str:
