@@ -133,7 +133,9 @@ PLAN = [(list(range(1, 41)), 2), ([7, 8, 9, 10, 11], 12), (list(range(20, 30)), 
 def check_mixed_workload(splice_in, remove, next_positions, plan=PLAN, trim=False) -> list:
     """The mixed workload on the real engine with the lab backend; tokens must equal a stock
     engine's (which equal HF generate on each prompt alone). Returns (width, kv_length) seen
-    before each splice-in."""
+    before each splice-in. The small masks are checked first: a function they catch is
+    named there, before any engine runs."""
+    check_shapes(splice_in, remove, next_positions)
     engine = use_padded(tiny_engine(max_batch_size=3, enable_prefix_caching=False),
                         splice_in, remove, next_positions, trim_on_remove=trim)
     return _run_mixed(engine, plan)
