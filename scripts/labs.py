@@ -2,6 +2,8 @@
 
     python scripts/labs.py build [OUT]   # otter assign every notebooks/labs/lab*.ipynb -> OUT
     python scripts/labs.py check [OUT]   # build, then prove every lab's checks are real
+    python scripts/labs.py grade ZIP SUBMISSION...   # `otter run`, many submissions, one process
+    python scripts/labs.py corpus [OUT] [-j N]       # solutions + tests/lab_corpus through otter run
 
 One source notebook per lab (`notebooks/labs/`) carries otter-assign's markers; `otter
 assign` makes, per lab, `OUT/<lab>/student/` (stubs, public tests) and
@@ -9,13 +11,16 @@ assign` makes, per lab, `OUT/<lab>/student/` (stubs, public tests) and
 autograder zip that `otter run` and Gradescope take). OUT defaults to `build/labs`
 (git-ignored).
 
-The check, for every lab: the solution notebook passes every test (hidden ones too), and
-the student notebook, stubs as shipped, fails every test with a message. Both are graded
-the way otter grades: the notebook's code runs top to bottom (a cell that raises is
-recorded and the run goes on), then otter's own test-file runner
-(`otter.test_files.ExceptionTestFile`) runs each test against the resulting namespace.
-The notebooks run in this process, one after the other, so torch is imported once
-(`otter run` does the same per notebook in a fresh kernel: about 20 s each here).
+`make lab-check` (tests/test_labs.py) grades as a teacher will: every lab's solution and
+every typical wrong submission of tests/lab_corpus/<lab>/ (the student version with its
+graded cell replaced) goes through `otter run` with the lab's autograder zip, in a fresh
+kernel each; `grade_corpus` splits them over two processes, each calling otter run's own
+function for one submission after another (otter's imports are paid once per process,
+the kernel's per submission, as in a grading container). `check` is the quick in-process
+variant: the notebook's code runs top to bottom here (a cell that raises is recorded and
+the run goes on), then otter's own test-file runner (`otter.test_files.ExceptionTestFile`)
+runs each test against the resulting namespace; the test suite still uses it for the
+student versions, stubs as shipped.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ROOT / "notebooks" / "labs"
+CORPUS = ROOT / "tests" / "lab_corpus"
+SHIMS = ROOT / "scripts" / "grading_shims"  # see its one module: a 2 s import per kernel
 DEFAULT_OUT = ROOT / "build" / "labs"
 
 
@@ -130,8 +137,158 @@ def check(out: Path = DEFAULT_OUT) -> int:
     return 1 if bad else 0
 
 
+# ------------------------------------------------------------------ grading with `otter run`
+@dataclass
+class Mistake:
+    """One typical wrong submission of tests/lab_corpus/<lab>/<name>.py: the graded cell as
+    a student wrote it. Its `# expect:` lines are what the grader's messages must say."""
+
+    lab: str
+    name: str
+    code: str
+
+    @property
+    def expect(self) -> list[str]:
+        return [line.split(":", 1)[1].strip() for line in self.code.splitlines()
+                if line.startswith("# expect:")]
+
+    @property
+    def what(self) -> str:
+        return next((line.split(":", 1)[1].strip() for line in self.code.splitlines()
+                     if line.startswith("# mistake:")), self.name)
+
+
+def corpus(lab: str | None = None) -> list[Mistake]:
+    return [Mistake(p.parent.name, p.stem, p.read_text())
+            for p in sorted(CORPUS.glob(f"{lab or 'lab*'}/*.py"))]
+
+
+def graded_cell(nb) -> int:
+    """The student version's graded code cell: the one whose stubs raise NotImplementedError."""
+    hits = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+            and "NotImplementedError" in c.source and not c.source.startswith("def test_")]
+    if len(hits) != 1:
+        raise ValueError(f"expected one graded cell with stubs, found cells {hits}")
+    return hits[0]
+
+
+def write_submission(student_nb: Path, code: str, dest: Path) -> Path:
+    """The student version with its graded cell replaced by `code`: what a student hands in."""
+    import nbformat
+
+    nb = nbformat.read(student_nb, as_version=4)
+    nb.cells[graded_cell(nb)].source = code
+    dest.mkdir(parents=True, exist_ok=True)
+    path = dest / student_nb.name
+    nbformat.write(nb, path)
+    return path
+
+
+def otter_run(zip_path: Path, submission: Path) -> dict:
+    """`otter run -a ZIP SUBMISSION` (the CLI's own function, `otter.run.main`): the notebook
+    runs in a fresh kernel, then every test, hidden ones too. Returns, per question,
+    score, possible and the messages of its failed cases; plus the seconds it took."""
+    from otter.run import main as run
+
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        results = run(str(submission), autograder=str(zip_path), output_dir=None, no_logo=True)
+    out = {"seconds": round(time.perf_counter() - t0, 1), "questions": {}}
+    for name, tf in results.results.items():
+        out["questions"][name] = {
+            "score": tf.score, "possible": tf.possible,
+            "failed": [r.message for r in tf.test_case_results if not r.passed]}
+    return out
+
+
+def autograder_zip(lab_dir: Path) -> Path:
+    return next((lab_dir / "autograder").glob("*-autograder_*.zip"))
+
+
+def grade_many(jobs: list[tuple[str, str, str]]) -> list[dict]:
+    """jobs: (label, zip, submission). One `otter run` after another in this process (each
+    in its own fresh kernel): otter's own imports are paid once."""
+    return [{"label": label, **otter_run(Path(z), Path(sub))} for label, z, sub in jobs]
+
+
+def grade_corpus(built: dict[str, Path], work: Path, labs: list[str] | None = None,
+                 workers: int = 2) -> dict[str, dict]:
+    """Every lab's solution (the autograder's notebook) and every corpus submission through
+    `otter run`, split over `workers` processes. Returns label -> result, with labels
+    "<lab>/solution" and "<lab>/<mistake>"."""
+    import json
+    import subprocess
+
+    jobs = []
+    for lab, d in built.items():
+        if labs and lab not in labs:
+            continue
+        z = autograder_zip(d)
+        jobs.append((f"{lab}/solution", str(z), str(d / "autograder" / f"{lab}.ipynb")))
+        for m in corpus(lab):
+            sub = write_submission(d / "student" / f"{lab}.ipynb", m.code, work / lab / m.name)
+            jobs.append((f"{lab}/{m.name}", str(z), str(sub)))
+    jobs.sort(key=lambda j: "capstone" not in j[0])  # the longest first: better balance
+    shards = [jobs[i::workers] for i in range(workers)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(SHIMS), os.environ.get("PYTHONPATH", "")) if p)}
+    procs = []
+    for i, shard in enumerate(shards):
+        spec = work / f"jobs{i}.json"
+        spec.write_text(json.dumps(shard))
+        procs.append(subprocess.Popen([sys.executable, __file__, "grade-jobs", str(spec)],
+                                      stdout=subprocess.PIPE, text=True, cwd=work, env=env))
+    results = {}
+    for p in procs:
+        out, _ = p.communicate(timeout=1200)
+        if p.returncode:
+            raise RuntimeError(f"a grading process failed ({p.returncode}): {out[-2000:]}")
+        for r in json.loads(out.splitlines()[-1]):
+            results[r["label"]] = r
+    return results
+
+
+def corpus_report(results: dict[str, dict]) -> str:
+    lines = ["| submission | score | otter run (s) | first message |", "|---|---|---|---|"]
+    for label in sorted(results):
+        r = results[label]
+        score = sum(q["score"] for q in r["questions"].values())
+        possible = sum(q["possible"] for q in r["questions"].values())
+        msgs = [m for q in r["questions"].values() for m in q["failed"]]
+        first = ""
+        if msgs:
+            first = next((ln.strip() for ln in msgs[0].splitlines() if "LabCheckFailed" in ln),
+                         msgs[0].strip().splitlines()[-1])[:110]
+        lines.append(f"| {label} | {score:g} / {possible:g} | {r['seconds']} | {first} |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     cmd = sys.argv[1] if len(sys.argv) > 1 else "build"
+    if cmd == "grade-jobs":  # internal: one grading process of grade_corpus
+        import json
+
+        print(json.dumps(grade_many(json.loads(Path(sys.argv[2]).read_text()))))
+        sys.exit(0)
+    if cmd == "grade":
+        import json
+
+        zip_path = sys.argv[2]
+        for r in grade_many([(s, zip_path, s) for s in sys.argv[3:]]):
+            print(json.dumps(r))
+        sys.exit(0)
+    if cmd == "corpus":
+        import tempfile
+
+        args = [a for a in sys.argv[2:] if not a.startswith("-j")]
+        workers = int(next((a[2:] for a in sys.argv[2:] if a.startswith("-j")), "2"))
+        out = Path(args[0]) if args else DEFAULT_OUT
+        t0 = time.perf_counter()
+        built = build(out)
+        results = grade_corpus(built, Path(tempfile.mkdtemp(prefix="lab-corpus-")), workers=workers)
+        print(corpus_report(results))
+        print(f"{len(results)} submissions in {time.perf_counter() - t0:.0f} s with {workers} processes")
+        sys.exit(0)
     out = Path(sys.argv[2]) if len(sys.argv) > 2 else DEFAULT_OUT
     if cmd == "build":
         for lab, d in build(out).items():

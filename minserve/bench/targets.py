@@ -15,6 +15,7 @@ thread ticks while this thread's event loop submits and awaits handles
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -63,6 +64,19 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def run_sync(coro):
+    """`asyncio.run(coro)`, also when this thread already runs an event loop (a Jupyter
+    kernel does, and so does `otter run`'s): asyncio.run refuses to nest, so the coroutine
+    then gets a fresh loop in a helper thread, and this call waits for it. Handles wake
+    their readers on the reader's own loop (streaming.py), so either way works."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bench-loop") as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 def new_result(req: BenchRequest, arrival: float) -> RequestResult:
@@ -136,7 +150,7 @@ class EngineTarget:
                     res.rejection, res.error = ev.rejection, ev.error
 
         try:
-            results, t0, t1 = asyncio.run(drive(workload, send, self.name, progress))
+            results, t0, t1 = run_sync(drive(workload, send, self.name, progress))
         finally:
             if started_here:
                 engine.stop()
@@ -212,7 +226,7 @@ class OpenAITarget:
         return body
 
     def run(self, workload: Workload, progress: bool = True) -> RunResult:
-        return asyncio.run(self._run(workload, progress))
+        return run_sync(self._run(workload, progress))
 
     async def _run(self, workload: Workload, progress: bool) -> RunResult:
         import httpx

@@ -6,7 +6,9 @@ real `Engine`. These modules hold what the lab notebooks call: how to plug the p
 (`use_*`), and the checks, whose failure (`LabCheckFailed`) says *what* is wrong and
 *where* to look. The autograder's hidden tests call the same checks on other inputs.
 
-    common.py    LabCheckFailed, the tiny engine, running student code, draining an engine
+    common.py    LabCheckFailed, the tiny engine, running student code (bounded in time,
+                 quiet, a crash as one message naming the function and its input), draining
+    guard.py     no shortcut through the reference: every check runs under guarded_check
     fcfs.py      lab 1: the FCFS policy            gates.py   lab 2: G1, G2, G3
     vtc.py       lab 3: VTC and the 2U bound       padded.py  lab 4: splice-in, removal, positions
     blocks.py    lab 5: the block manager          chunked.py lab 6: the chunk schedule

@@ -7,12 +7,39 @@ engine's in the paged backend, whose KV *is* the block pool."""
 from __future__ import annotations
 
 from ..engine import Engine
-from ..kv_cache import NoFreeBlocksError
+from ..kv_cache import BlockManager, NoFreeBlocksError
 from ..sampling import SamplingParams
-from .common import drain, fail, reference_tokens, student, tiny_engine
+from .common import drain, fail, stock_tokens, student, tiny_engine
+from .guard import guarded_check
 
-WHERE = ("your BlockManagerLab methods; compare minserve/kv_cache.py BlockManager "
-         "(_cached_blocks, _take_block, free) and docs/kv_cache.md")
+WHERE = ("docs/kv_cache.md (K1-K3: chained hashes, reference counts, LRU eviction) and notebook "
+         "03_kv_blocks_and_prefix_caching.ipynb")
+GRADED = ("_cached_blocks", "_take_block", "free")
+
+
+def reference():
+    """What a submission may not lean on: BlockManager's own versions of the three graded
+    methods (the rest of BlockManager is the skeleton it inherits, by design)."""
+    return [(BlockManager, GRADED, "BlockManager", False)]
+
+
+def check_defines(cls) -> None:
+    """The three graded methods are the student's: defined in their class, not inherited."""
+    inherited = [m for m in GRADED if getattr(cls, m, None) is getattr(BlockManager, m)]
+    if inherited:
+        fail(f"BlockManagerLab does not define {', '.join(inherited)}: it inherits minserve's "
+             "own, which earns no points; write them in your class", WHERE)
+
+
+def invariants(bm, after: str) -> None:
+    """The pool's invariants (BlockManager.check_invariants) as a check with a message."""
+    try:
+        bm.check_invariants()
+    except AssertionError as e:
+        fail(f"after {after} the pool's bookkeeping broke: {e or 'an invariant'} (every block "
+             "is in exactly one of free / cached / used; ref_count = the tables holding it; "
+             "a hashed block is in the hash table, a free one has no hash)",
+             f"BlockManagerLab.free / _take_block; {WHERE}")
 
 
 def use_block_manager(engine: Engine, cls) -> Engine:
@@ -28,6 +55,7 @@ def use_block_manager(engine: Engine, cls) -> Engine:
 
 
 def _bm(cls, num_blocks=10, block_size=4):
+    check_defines(cls)
     return student(cls, num_blocks, block_size, True, name="BlockManagerLab()", where=WHERE)
 
 
@@ -35,6 +63,7 @@ def _call(bm, method, *args):
     return student(getattr(bm, method), *args, name=f"BlockManagerLab.{method}", where=WHERE)
 
 
+@guarded_check(20, reference, WHERE)
 def check_prefix_reuse(cls) -> None:
     """Computed full blocks are shared by an equal prefix (ref counts), never after a
     different prefix (the chain), and the block with the last token is always computed (K2)."""
@@ -48,7 +77,9 @@ def check_prefix_reuse(cls) -> None:
     hit = _call(bm, "allocate_prompt", "b", sys_prompt + [30, 31])
     if hit != 8:
         fail(f"a prompt starting with the same 8 tokens (2 computed full blocks) reused {hit} "
-             "cached tokens, expected 8", f"BlockManagerLab._cached_blocks; {WHERE}")
+             "cached tokens, expected 8: walk the prompt's full blocks chaining each hash from "
+             "its parent's (hash_block(parent_hash, tokens)), as mark_computed stored them",
+             f"BlockManagerLab._cached_blocks; {WHERE}")
     shared = bm.block_table("a")[:2]
     if bm.block_table("b")[:2] != shared or [bm.blocks[i].ref_count for i in shared] != [2, 2]:
         fail(f"b should share a's first two blocks {shared} with ref_count 2 each; b's table is "
@@ -65,6 +96,7 @@ def check_prefix_reuse(cls) -> None:
              "are logits to sample from (K2)", f"BlockManagerLab._cached_blocks; {WHERE}")
 
 
+@guarded_check(20, reference, WHERE)
 def check_free_and_lru(cls) -> None:
     """free: ref_count - 1; a hashed block at 0 becomes cached (evictable, LRU order), an
     unhashed one free. _take_block: the free list first, then the least recently used cached
@@ -74,6 +106,7 @@ def check_free_and_lru(cls) -> None:
     bm.mark_computed("a", [1, 2, 3, 4, 5], 5)
     table = bm.block_table("a")
     _call(bm, "free", "a")
+    invariants(bm, "free('a')")
     states = [(bm.blocks[b].ref_count, bm.blocks[b].block_hash is not None) for b in table]
     if states != [(0, True), (0, True), (0, False)] or bm.num_free_blocks() != 4:
         fail(f"after freeing a (2 computed full blocks + 1 partial) its blocks are "
@@ -81,6 +114,7 @@ def check_free_and_lru(cls) -> None:
              "blocks cached (ref 0, hash kept) and the partial one free",
              f"BlockManagerLab.free; {WHERE}")
     _call(bm, "allocate_prompt", "b", [7, 8, 9, 10, 11, 12])  # 3 new blocks: 2 free, then evict 1
+    invariants(bm, "an allocation that evicts")
     if bm.evictions != 1 or bm.blocks[table[1]].block_hash is not None \
             or bm.blocks[table[0]].block_hash is None:
         fail("with the free list empty, a new block must evict the least recently used cached "
@@ -90,32 +124,88 @@ def check_free_and_lru(cls) -> None:
         bm.allocate_prompt("c", list(range(50, 60)))
     except NoFreeBlocksError:
         pass
+    except Exception as e:  # noqa: BLE001 - named below
+        fail(f"allocating more blocks than the pool has raised {type(e).__name__}: {e}; expected "
+             "NoFreeBlocksError when nothing is free or cached", f"BlockManagerLab._take_block; {WHERE}")
     else:
         fail("allocating more blocks than the pool has did not raise NoFreeBlocksError",
              f"BlockManagerLab._take_block; {WHERE}")
-    bm.check_invariants()
+    invariants(bm, "a failed allocation (NoFreeBlocksError)")
+    if bm.blocks[table[0]].block_hash is None:
+        fail(f"a's first block {table[0]} lost its hash although only its tail was evicted: "
+             "evict one block at a time, the least recently used, and keep the others' hashes",
+             f"BlockManagerLab._take_block; {WHERE}")
+
+
+@guarded_check(20, reference, WHERE)
+def check_shared_free(cls) -> None:
+    """Blocks shared by two sequences: freeing one leaves them held (ref_count 1, neither free
+    nor cached) by the other; the pool's invariants hold after every free; freeing the
+    second makes the computed ones cached, and a third prompt reuses them."""
+    bm = _bm(cls, num_blocks=8, block_size=2)
+    prefix = [1, 2, 3, 4, 5, 6]  # 3 full blocks
+    _call(bm, "allocate_prompt", "a", prefix + [9])
+    bm.mark_computed("a", prefix + [9], 7)
+    _call(bm, "allocate_prompt", "b", prefix + [8])
+    shared = bm.block_table("a")[:3]
+    _call(bm, "free", "a")
+    invariants(bm, "free('a') while b shares its first 3 blocks")
+    if [bm.blocks[i].ref_count for i in shared] != [1, 1, 1]:
+        fail(f"after free('a') the blocks {shared} that b still uses have ref counts "
+             f"{[bm.blocks[i].ref_count for i in shared]}, expected [1, 1, 1]: a block goes "
+             "back (free or cached) only when its ref_count reaches 0",
+             f"BlockManagerLab.free; {WHERE}")
+    _call(bm, "free", "b")
+    invariants(bm, "free('b')")
+    if _call(bm, "allocate_prompt", "c", prefix + [7]) != 6:
+        fail("after a and b were freed, a prompt with their 6-token prefix should reuse the 3 "
+             "cached blocks (their hashes are kept at ref_count 0)", f"BlockManagerLab.free; {WHERE}")
+    invariants(bm, "allocate_prompt('c') on cached blocks")
 
 
 SYSTEM = list(range(40, 72))  # a 32-token system prompt: 2 blocks of 16
+# five requests whose 17-token questions fill a third block of their own, in a pool of 7
+# blocks: finished requests leave cached blocks, and later ones must evict some (2 with
+# minserve's BlockManager; a pool of 8 evicts none)
+EVICTING = {"questions": tuple(tuple(range(100 + 20 * k, 117 + 20 * k)) for k in range(5)),
+            "max_tokens": 4, "num_blocks": 7, "min_evictions": 1}
 
 
-def check_in_engine(cls, questions=((1, 2, 3), (4, 5), (6, 7, 8, 9), (10,)), max_tokens=5) -> dict:
+@guarded_check(60, reference, WHERE)
+def check_in_engine(cls, questions=((1, 2, 3), (4, 5), (6, 7, 8, 9), (10,)), max_tokens=5,
+                    num_blocks: int = 24, min_evictions: int = 0) -> dict:
     """Requests sharing a system prompt, on the paged backend with the lab's block manager:
     the later ones reuse its blocks, every token equals a stock engine's, and the pool's
-    invariants hold after every tick. Returns the block stats."""
-    engine = use_block_manager(tiny_engine(backend="paged", max_batch_size=2, num_blocks=24), cls)
+    invariants hold after every tick. With `min_evictions` the pool is small enough that
+    cached blocks must be evicted, and the check asserts they were. Returns the block stats."""
+    check_defines(cls)
+    engine = use_block_manager(tiny_engine(backend="paged", max_batch_size=2,
+                                           num_blocks=num_blocks), cls)
     plan = [(SYSTEM + list(q), max_tokens) for q in questions]
     handles = [engine.submit(p, SamplingParams(max_tokens=n)) for p, n in plan]
     drain(engine, WHERE)
     stats = engine.block_manager.stats()
-    if stats["prefix_hit_tokens"] < 32 * (len(plan) - 2):
+    if stats["evictions"] < min_evictions:
+        fail(f"a pool of {num_blocks} blocks under this workload must evict cached blocks, but "
+             f"evictions={stats['evictions']}: _take_block should take a free block first and "
+             "evict the least recently used cached one only when none is free (and count it)",
+             f"BlockManagerLab._take_block; {WHERE}")
+    if stats["prefix_hit_tokens"] < 32 * (len(plan) - 2) and not min_evictions:
         fail(f"{len(plan)} requests share a 32-token system prompt, batch of 2: at least the "
              f"later {len(plan) - 2} should reuse its 2 blocks, but only "
              f"{stats['prefix_hit_tokens']} tokens were hits", f"BlockManagerLab; {WHERE}")
-    ref = reference_tokens(plan, backend="paged", max_batch_size=2, num_blocks=24,
+    ref = stock_tokens(plan, backend="paged", max_batch_size=2, num_blocks=num_blocks,
                            enable_prefix_caching=False)
     for h, want in zip(handles, ref):
         if h.output.token_ids != want:
             fail(f"{h.request_id} generated {h.output.token_ids}, without prefix caching it "
                  f"gives {want}: a reused block held the wrong KV", f"BlockManagerLab; {WHERE}")
     return stats
+
+
+def check_units(cls) -> None:
+    """Every unit check, public and hidden: what each hidden test runs first, so a test that
+    cannot see a bug in a method gives no credit for it."""
+    check_prefix_reuse(cls)
+    check_free_and_lru(cls)
+    check_shared_free(cls)

@@ -11,9 +11,15 @@ from ..engine import Engine
 from ..request import Rejection
 from ..sampling import SamplingParams
 from .common import drain, fail, student, tiny_engine
+from .guard import guarded_check
 
-WHERE = "your gate functions; compare minserve/gates.py and the table in docs/gates.md"
+WHERE = "the gate table in docs/gates.md (G1-G6) and notebook 05_backpressure_gates.ipynb"
 NAMES = ("check_queue_capacity", "check_kv_budget", "check_block_pool")
+
+
+def reference():
+    """What a submission may not lean on: minserve's own gate functions."""
+    return [(core_gates, NAMES, "gates")]
 
 
 def use_gates(engine: Engine, **fns) -> Engine:
@@ -22,8 +28,17 @@ def use_gates(engine: Engine, **fns) -> Engine:
     if unknown:
         raise ValueError(f"not a gate: {sorted(unknown)}; use {NAMES}")
     table = {name: getattr(core_gates, name) for name in dir(core_gates) if not name.startswith("_")}
-    engine.scheduler.gates = SimpleNamespace(**{**table, **fns})
+    wrapped = {name: _as_student(name, fn) for name, fn in fns.items()}
+    engine.scheduler.gates = SimpleNamespace(**{**table, **wrapped})
     return engine
+
+
+def _as_student(name: str, fn):
+    """A gate the scheduler calls: a crash or a stub in it becomes one LabCheckFailed that
+    names the gate and its input."""
+    def gate(*args, **kwargs):
+        return student(fn, *args, name=name, where=f"{name}; {WHERE}", **kwargs)
+    return gate
 
 
 def _verdict(fn, name: str, args: dict, expect: tuple[str, str, bool] | None) -> None:
@@ -50,11 +65,13 @@ def _verdict(fn, name: str, args: dict, expect: tuple[str, str, bool] | None) ->
              f"(G6); numbers={got.numbers!r} lacks {missing}", f"{name}; {WHERE}")
 
 
+@guarded_check(20, reference, WHERE)
 def check_g1(fn) -> None:
     _verdict(fn, "check_queue_capacity", {"pending": 3, "max_queue_size": 3}, ("G1", "queue_full", True))
     _verdict(fn, "check_queue_capacity", {"pending": 2, "max_queue_size": 3}, None)
 
 
+@guarded_check(20, reference, WHERE)
 def check_g2(fn) -> None:
     name = "check_kv_budget"
     _verdict(fn, name, {"need": 50, "reserved": 0, "budget": 40}, ("G2", "kv_budget_exceeded", True))
@@ -64,6 +81,7 @@ def check_g2(fn) -> None:
     _verdict(fn, name, {"need": 41, "reserved": 39, "budget": 40}, ("G2", "kv_budget_exceeded", True))
 
 
+@guarded_check(20, reference, WHERE)
 def check_g3(fn) -> None:
     name = "check_block_pool"
     _verdict(fn, name, {"blocks_needed": 8, "free_blocks": 6, "prompt_blocks": 8, "num_blocks": 6},
@@ -73,6 +91,28 @@ def check_g3(fn) -> None:
     _verdict(fn, name, {"blocks_needed": 2, "free_blocks": 2, "prompt_blocks": 3, "num_blocks": 6}, None)
 
 
+@guarded_check(20, reference, WHERE)
+def check_boundaries(g1, g2, g3) -> None:
+    """Exactly full is not over: a request that needs the whole budget fits an empty engine
+    (need == budget), one that fills the reservation to the last token is admitted
+    (reserved + need == budget), and a prompt of exactly the pool's blocks fits an empty
+    pool (prompt_blocks == num_blocks). `>=` where the gate table says `>` refuses or
+    holds requests that fit."""
+    _verdict(g1, "check_queue_capacity", {"pending": 4, "max_queue_size": 5}, None)
+    name = "check_kv_budget"
+    _verdict(g2, name, {"need": 40, "reserved": 0, "budget": 40}, None)
+    _verdict(g2, name, {"need": 40, "reserved": 1, "budget": 40}, ("G2", "kv_budget", False))
+    _verdict(g2, name, {"need": 15, "reserved": 25, "budget": 40}, None)
+    _verdict(g2, name, {"need": 16, "reserved": 25, "budget": 40}, ("G2", "kv_budget", False))
+    name = "check_block_pool"
+    _verdict(g3, name, {"blocks_needed": 6, "free_blocks": 6, "prompt_blocks": 6, "num_blocks": 6}, None)
+    _verdict(g3, name, {"blocks_needed": 6, "free_blocks": 5, "prompt_blocks": 6, "num_blocks": 6},
+             ("G3", "block_pool", False))
+    _verdict(g3, name, {"blocks_needed": 7, "free_blocks": 6, "prompt_blocks": 7, "num_blocks": 6},
+             ("G3", "prompt_exceeds_block_pool", True))
+
+
+@guarded_check(60, reference, WHERE)
 def gate_story(g1, g2, g3, budget: int = 40, sizes=((12, 8), (10, 6), (6, 4), (40, 10))) -> list[dict]:
     """docs/gates.md's G2 story in a real engine with the student's gates: requests of
     (prompt, max_tokens) `sizes` into a KV budget of `budget` tokens. Returns the events."""
@@ -95,20 +135,57 @@ def gate_story(g1, g2, g3, budget: int = 40, sizes=((12, 8), (10, 6), (6, 4), (4
     if extra.output.finish_reason != "error" or (extra.output.rejection or {}).get("gate") != "G1":
         fail("a fifth request submitted to a full queue (max_queue_size=4) was not refused by "
              "G1 at submit", f"check_queue_capacity; {WHERE}")
-    return check_story(engine, handles, events)
+    return check_story(handles, events, budget, sizes)
 
 
-def check_story(engine, handles, events) -> list[dict]:
+def check_story(handles, events, budget: int, sizes) -> list[dict]:
+    """The first two run, the third is held (soft) until one finishes, the fourth (more than
+    the whole budget) is refused (hard); the messages use this story's own numbers."""
     held = [e for e in events if "held" in e]
     refused = [e for e in events if "refused" in e]
     third, fourth = handles[2].request_id, handles[3].request_id
+    (p0, n0), (p1, n1), (p2, n2), (p3, n3) = sizes[:4]
     if not any(e["held"] == third and e["gate"] == "G2" for e in held):
-        fail(f"{third} needs 10 tokens while 20 + 16 of the 40 are reserved: G2 should hold it "
-             f"(soft) until a running request finishes; holds seen: {held}",
-             f"check_kv_budget; {WHERE}")
+        fail(f"{third} needs {p2 + n2} tokens while {p0 + n0} + {p1 + n1} of the {budget} are "
+             f"reserved: G2 should hold it (soft) until a running request finishes; holds "
+             f"seen: {held}", f"check_kv_budget; {WHERE}")
     if [(e["refused"], e["gate"]) for e in refused] != [(fourth, "G2")]:
-        fail(f"{fourth} needs 50 tokens of a 40-token budget: G2 should refuse it (hard), and "
-             f"nothing else; refusals seen: {refused}", f"check_kv_budget; {WHERE}")
+        fail(f"{fourth} needs {p3 + n3} tokens of a {budget}-token budget: G2 should refuse it "
+             f"(hard), and nothing else; refusals seen: {refused}", f"check_kv_budget; {WHERE}")
     if any(h.output.finish_reason == "error" for h in handles[:3]):
         fail("a request that fits was refused", WHERE)
     return events
+
+
+@guarded_check(60, reference, WHERE)
+def exact_fit_story(g1, g2, g3) -> None:
+    """In the engine: a request needing exactly the whole budget is served alone; two that
+    fill it to the last token are admitted in the same tick, without a hold."""
+    engine = use_gates(tiny_engine(max_batch_size=4, kv_budget_tokens=40, max_queue_size=4,
+                                   enable_prefix_caching=False),
+                       check_queue_capacity=g1, check_kv_budget=g2, check_block_pool=g3)
+    whole = engine.submit(list(range(1, 31)), SamplingParams(max_tokens=10))
+    drain(engine, WHERE)
+    if whole.output.finish_reason == "error":
+        fail(f"a request of 30 + 10 = 40 tokens into a 40-token budget was refused: "
+             f"{whole.output.rejection}; need == budget fits an empty engine (refuse only "
+             "need > budget)", f"check_kv_budget; {WHERE}")
+    engine.trace.clear()
+    pair = [engine.submit(list(range(50, 62)), SamplingParams(max_tokens=8)),
+            engine.submit(list(range(70, 84)), SamplingParams(max_tokens=6))]
+    drain(engine, WHERE)
+    held = [rec.admit.held for rec in engine.trace if rec.admit.held]
+    if held or any(h.output.finish_reason == "error" for h in pair):
+        fail(f"two requests of 20 tokens each into a 40-token budget: the second fills it to "
+             f"the last token (reserved 20 + need 20 == 40) and must be admitted at once, but "
+             f"it was held or refused: {held[0] if held else pair[1].output.rejection}",
+             f"check_kv_budget; {WHERE}")
+
+
+def check_units(g1, g2, g3) -> None:
+    """Every unit check of the three gates, public and hidden (the boundaries too): what each
+    hidden test runs first, so a test that cannot see a bug in a gate gives no credit for it."""
+    check_g1(g1)
+    check_g2(g2)
+    check_g3(g3)
+    check_boundaries(g1, g2, g3)

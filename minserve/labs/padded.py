@@ -21,10 +21,11 @@ import torch.nn.functional as F
 from ..backends.padded import PaddedBackend
 from ..engine import Engine
 from ..sampling import SamplingParams
-from .common import drain, fail, reference_tokens, student, tiny_engine
+from .common import drain, fail, stock_tokens, student, tiny_engine
+from .guard import guarded_check
 
-WHERE = ("your splice_in / remove / next_positions; compare minserve/backends/padded.py "
-         "PaddedBackend.promote, remove_row, decode_step_batched and docs/backends.md (R3)")
+WHERE = ("docs/backends.md (the padded backend, R3: mask width vs kv_length) and notebook "
+         "02_padding_and_batched_kv.ipynb")
 
 
 class LabPaddedBackend(PaddedBackend):
@@ -92,6 +93,7 @@ def use_padded(engine: Engine, splice_in, remove, next_positions, trim_on_remove
     return engine
 
 
+@guarded_check(20, where=WHERE)
 def check_shapes(splice_in, remove, next_positions) -> None:
     """Small masks by hand: a wider batch, a longer new row, removal with and without trim."""
     mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
@@ -100,7 +102,7 @@ def check_shapes(splice_in, remove, next_positions) -> None:
         fail(f"splice_in(mask=[[0,1,1],[1,1,1]], n=2) gave grow={grow}, row_pad={pad}, mask="
              f"{new.tolist()}; expected grow=0, row_pad=1 and the new row left-padded to "
              "[0,1,1]", f"splice_in; {WHERE}")
-    new, grow, pad = splice_in(mask, 5, 3)
+    new, grow, pad = student(splice_in, mask, 5, 3, name="splice_in", where=WHERE)
     if (grow, pad) != (2, 0) or new.tolist() != [[0, 0, 0, 1, 1], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]:
         fail(f"splice_in(mask=[[0,1,1],[1,1,1]], n=5) gave grow={grow}, row_pad={pad}, mask="
              f"{new.tolist()}; expected grow=2 (the batch is padded on the left), row_pad=0",
@@ -127,12 +129,19 @@ PLAN = [(list(range(1, 41)), 2), ([7, 8, 9, 10, 11], 12), (list(range(20, 30)), 
         ([3, 4, 5], 6), (list(range(100, 120)), 5)]
 
 
+@guarded_check(60, where=WHERE)
 def check_mixed_workload(splice_in, remove, next_positions, plan=PLAN, trim=False) -> list:
     """The mixed workload on the real engine with the lab backend; tokens must equal a stock
     engine's (which equal HF generate on each prompt alone). Returns (width, kv_length) seen
-    before each splice-in."""
+    before each splice-in. The small masks are checked first: a function they catch is
+    named there, before any engine runs."""
+    check_shapes(splice_in, remove, next_positions)
     engine = use_padded(tiny_engine(max_batch_size=3, enable_prefix_caching=False),
                         splice_in, remove, next_positions, trim_on_remove=trim)
+    return _run_mixed(engine, plan)
+
+
+def _run_mixed(engine, plan) -> list:
     backend = engine.scheduler.backend
     handles = [engine.submit(p, SamplingParams(max_tokens=n)) for p, n in plan]
     try:
@@ -146,7 +155,7 @@ def check_mixed_workload(splice_in, remove, next_positions, plan=PLAN, trim=Fals
                     f"mask was {w} columns wide but kv_length was {k}; a splice-in sized from "
                     "kv_length builds a new row of the wrong width. Size it from mask.shape[1].")
         raise type(e)(str(e) + hint) from None
-    ref = reference_tokens(plan, max_batch_size=3, enable_prefix_caching=False)
+    ref = stock_tokens(plan, max_batch_size=3, enable_prefix_caching=False)
     for h, want in zip(handles, ref):
         if h.output.token_ids != want:
             first = next(i for i, (a, b) in enumerate(zip(h.output.token_ids, want)) if a != b)
@@ -156,26 +165,39 @@ def check_mixed_workload(splice_in, remove, next_positions, plan=PLAN, trim=Fals
     return backend.splices
 
 
-def kv_length_splice_in(mask, n, kv_length):
-    """The version that crashed the worker: the batch's width taken from kv_length (R3)."""
-    width = kv_length  # the bug: kv_length is the longest row's REAL KV, not the mask's width
-    grow, row_pad = max(0, n - width), max(0, width - n)
-    new_row = F.pad(torch.ones(1, n, dtype=mask.dtype, device=mask.device), (row_pad, 0))
-    return torch.cat([F.pad(mask, (grow, 0)), new_row]), grow, row_pad
+class KvLengthBackend(PaddedBackend):
+    """The padded backend as it was when it crashed (R3): splice-in takes the batch's width
+    from `kv_length`, the longest row's real KV, instead of the mask's own width."""
+
+    def __init__(self, model):
+        super().__init__(model, storage=None, trim_on_remove=False)
+        self.splices: list[tuple[int, int]] = []
+
+    def promote(self, req) -> None:
+        if self.cache is None or not self.row_ids:
+            return super().promote(req)
+        row = self.staging.pop(req.request_id)
+        n = row.get_seq_length()
+        self.splices.append((self.width, self.kv_length))
+        width = self.kv_length  # the bug
+        grow, row_pad = max(0, n - width), max(0, width - n)
+        for big, small in zip(self.cache.layers, row.layers):  # (B, H_kv, L, D) per layer
+            big.keys = torch.cat([F.pad(big.keys, (0, 0, grow, 0)), F.pad(small.keys, (0, 0, row_pad, 0))])
+            big.values = torch.cat([F.pad(big.values, (0, 0, grow, 0)),
+                                    F.pad(small.values, (0, 0, row_pad, 0))])
+        new_row = F.pad(torch.ones(1, n, dtype=torch.long, device=self.device), (row_pad, 0))
+        self.mask = torch.cat([F.pad(self.mask, (grow, 0)), new_row])
+        self.row_ids.append(req.request_id)
 
 
-
-def reference_remove(mask, i, trim):
-    """Removal as PaddedBackend.remove_row does it (for the crash demo)."""
-    keep = [j for j in range(mask.shape[0]) if j != i]
-    mask = mask[keep]
-    first = 0
-    if trim:
-        real = mask.sum(dim=0).nonzero()
-        first = int(real[0]) if len(real) else mask.shape[1]
-    return mask[:, first:], keep, first
-
-
-def reference_positions(mask):
-    """Position ids as PaddedBackend.decode_step_batched derives them (for the crash demo)."""
-    return mask.sum(dim=1, keepdim=True)  # (B, 1)
+@guarded_check(60, where=WHERE)
+def the_crash() -> str:
+    """The mixed workload on the backend that sized splice-in from kv_length: returns what
+    the check says about it (the crash, and its cause)."""
+    engine = tiny_engine(max_batch_size=3, enable_prefix_caching=False)
+    engine.scheduler.backend = KvLengthBackend(engine.model)
+    try:
+        _run_mixed(engine, PLAN)
+    except AssertionError as e:
+        return str(e)
+    return "no crash"

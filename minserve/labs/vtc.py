@@ -14,14 +14,23 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 
+from ..fair import FairPolicy
 from ..sampling import SamplingParams
 from .common import admission_order, drain, fail, make_req, student, tiny_engine
 from .fcfs import use_policy
+from .guard import guarded_check
 
-WHERE = ("your VTCLab hooks; compare minserve/fair.py FairPolicy.on_request_arrived / "
-         "on_tokens_processed and docs/policies.md (the lift, P4)")
+WHERE = ("docs/policies.md (VTC: the charge P3, the lift P4, the 2U bound P5) and notebook "
+         "04_policies_fcfs_vs_vtc.ipynb")
 
 
+def reference():
+    """What a submission may not lean on: the engine's own VTC."""
+    names = [n for n, v in vars(FairPolicy).items() if callable(v) or isinstance(v, staticmethod)]
+    return [(FairPolicy, names, "FairPolicy")]
+
+
+@guarded_check(20, reference, WHERE)
 def check_charge(cls) -> None:
     p = student(cls, 1.0, 2.0, name="VTCLab(w_in, w_out)", where=WHERE)
     a = make_req(0, "alice", prompt=5, out=3)
@@ -36,6 +45,7 @@ def check_charge(cls) -> None:
              f"VTCLab.on_tokens_processed; {WHERE}")
 
 
+@guarded_check(20, reference, WHERE)
 def check_lift(cls) -> None:
     """A newcomer starts at the least waiting counter, never 0 (no burst), and a session that
     was served a lot keeps its debt (max, not =)."""
@@ -64,6 +74,7 @@ def check_lift(cls) -> None:
              f"VTCLab.on_request_arrived; {WHERE}")
 
 
+@guarded_check(20, reference, WHERE)
 def check_empty_queue_lift(cls) -> None:
     """Nobody waits: a newcomer is lifted to the current counter of the session that last
     left the queue (VTC's Algorithm 2), so the clock never jumps back to 0."""
@@ -78,6 +89,50 @@ def check_empty_queue_lift(cls) -> None:
         fail(f"dave arrived on an empty queue; his counter is {p.counters.get('dave')!r}, "
              "expected 20, alice's counter *now* (she left the queue last: self.last_left); "
              "at 0 he would get a catch-up burst over alice", f"VTCLab.on_request_arrived; {WHERE}")
+
+
+@guarded_check(20, reference, WHERE)
+def check_priority_first(cls) -> None:
+    """The key's first component is the priority tier: a higher-priority request goes first
+    even from the most-served session (P2: VTC orders *within* a tier)."""
+    p = student(cls, 1.0, 2.0, name="VTCLab(w_in, w_out)", where=WHERE)
+    low = make_req(0, "bob", priority=0)
+    high = make_req(1, "alice", priority=1)
+    student(p.on_request_arrived, low, name="on_request_arrived", where=WHERE)
+    student(p.on_request_arrived, high, name="on_request_arrived", where=WHERE)
+    p.counters["alice"] = 500.0  # alice was served a lot; bob nothing
+    head = student(p.peek_next, name="VTCLab.key (via peek_next)", where=WHERE)
+    if head is not high:
+        fail(f"bob (priority 0, counter {p.counters.get('bob')}) and alice (priority 1, counter "
+             f"500) wait; peek_next returned {getattr(head, 'request_id', head)!r}: the key is "
+             "(-priority, counter, arrival_seq), priority before the counter",
+             f"VTCLab.key; {WHERE}")
+
+
+@guarded_check(20, reference, WHERE)
+def check_no_lift_while_waiting(cls) -> None:
+    """The lift is for a session with *nothing* waiting. A session that still has requests
+    waiting keeps its counter when another one arrives, even if others are ahead of it."""
+    p = student(cls, 1.0, 2.0, name="VTCLab(w_in, w_out)", where=WHERE)
+    for r in (make_req(0, "alice"), make_req(1, "bob")):
+        student(p.on_request_arrived, r, name="on_request_arrived", where=WHERE)
+    p.counters["bob"] = 30.0  # bob was charged meanwhile; alice (0) still waits
+    student(p.on_request_arrived, make_req(2, "alice"), name="on_request_arrived", where=WHERE)
+    if p.counters.get("alice") != 0.0:
+        fail(f"alice had a request waiting (counter 0) and sent another while bob (counter 30) "
+             f"waits; her counter became {p.counters.get('alice')!r}, expected 0: lift only a "
+             "session with nothing waiting (P4), or she loses the turns she is owed",
+             f"VTCLab.on_request_arrived; {WHERE}")
+
+
+def check_units(cls) -> None:
+    """Every unit check of the hooks, public and hidden: what each hidden test runs first,
+    so a test that cannot see a bug in a hook gives no credit for it."""
+    check_charge(cls)
+    check_lift(cls)
+    check_empty_queue_lift(cls)
+    check_priority_first(cls)
+    check_no_lift_while_waiting(cls)
 
 
 def simulate(policy, arrivals, max_batch_size: int, kv_budget: int, w_in: float, w_out: float):
@@ -151,6 +206,7 @@ def random_trace(rng: random.Random):
     return arrivals, batch, kv_budget, w_in, w_out
 
 
+@guarded_check(60, reference, WHERE)
 def check_bound(cls, seeds=range(40)) -> float:
     """P5 on random traces: |W_h0 - W_h1| <= 2U over every window where both wait, with
     U = max(w_in * longest prompt, w_out * M), M = min(kv_budget, batch * largest request).
@@ -174,6 +230,7 @@ def check_bound(cls, seeds=range(40)) -> float:
     return worst
 
 
+@guarded_check(60, reference, WHERE)
 def check_in_engine(cls) -> list[str]:
     """A heavy backlog (alice, 6 requests) then bob's one request, in a batch of 1 row: under
     VTC bob is admitted second, not seventh. Returns the admission order."""
