@@ -1,7 +1,8 @@
 """Lab 1: the FCFS policy (SPEC P1). The student's class replaces the engine's pending queue.
 
-The checks, in the order a student meets them: the key, the five hooks (plus `remove`,
-`__iter__`, `__len__`) called directly, then the policy inside a real engine, whose
+The checks, in the order a student meets them: the key, the five hooks a student writes
+(of a policy's seven: the two preemption hooks keep `Policy`'s defaults) and `remove`,
+`__iter__`, `__len__`, called directly; then the policy inside a real engine, whose
 admissions must come in key order and whose tokens must equal a stock engine's.
 """
 
