@@ -91,7 +91,8 @@ class Engine:
         if config.backend == "paged":
             from .backends.paged import PagedBackend
 
-            backend = PagedBackend(model, self.block_manager, storage, self.max_model_len)
+            backend = PagedBackend(model, self.block_manager, storage, self.max_model_len,
+                                   config.model_runner)
         else:
             backend = PaddedBackend(model, storage=storage)
             backend.block_manager = self.block_manager

@@ -31,7 +31,15 @@ import time
 import typing
 from typing import Any
 
-from ..config import ADMISSIONS, BACKENDS, DTYPES, POLICIES, EngineConfig, PrefillMode
+from ..config import (
+    ADMISSIONS,
+    BACKENDS,
+    DTYPES,
+    MODEL_RUNNERS,
+    POLICIES,
+    EngineConfig,
+    PrefillMode,
+)
 from .limits import ServerLimits
 
 # What a server shared by several users needs over EngineConfig's defaults (which suit a
@@ -41,7 +49,7 @@ from .limits import ServerLimits
 # monolithic prefill. The chat demo (app.py) starts from these too.
 SERVING_DEFAULTS: dict[str, Any] = {"prefill_chunk_size": 256}
 CHOICES = {"policy": POLICIES, "backend": BACKENDS, "dtype": DTYPES, "admission": ADMISSIONS,
-           "prefill_mode": tuple(m.value for m in PrefillMode)}
+           "model_runner": MODEL_RUNNERS, "prefill_mode": tuple(m.value for m in PrefillMode)}
 SERVER_ENV = {"host": "MINSERVE_HOST", "port": "MINSERVE_PORT", "api_key": "MINSERVE_API_KEY"}
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
