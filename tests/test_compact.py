@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from minserve import EngineConfig, SamplingParams
+from minserve.backends.compact import CompactLlama
 from minserve.backends.paged import PagedBackend, PagedForward
 from minserve.kv_cache import BlockManager
 
@@ -49,7 +50,8 @@ def test_compact_greedy_equals_hf_generate_alone(variant, mode):
 
 
 def _backend(model, runner: str) -> PagedBackend:
-    return PagedBackend(model, BlockManager(16, 8, False), model_runner=runner)
+    compact = CompactLlama(model, max_model_len=64) if runner == "compact" else None
+    return PagedBackend(model, BlockManager(16, 8, False), runner=compact)
 
 
 def test_compact_logits_allclose_hf_path_for_a_batch():

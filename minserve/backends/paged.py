@@ -240,10 +240,11 @@ class PagedBackend(Backend):
     block tables; this backend only reads them, and tracks per row how many tokens'
     KV it has written (`row_lengths()`).
 
-    `model_runner` says what computes a forward: "hf", the HF model itself with this
-    file's attention installed (any architecture transformers has), or "compact",
+    `runner` is what computes a forward: None, the HF model itself with this file's
+    attention installed (any architecture transformers has), or an object whose
+    `forward(ids, positions, ctx, logits_to_keep)` does it over this pool:
     `compact.CompactLlama`, the Llama family's forward written out (faster on CPU;
-    refused here, naming why, for a model it does not cover).
+    `EngineConfig(model_runner="compact")` builds one).
     """
 
     name = "paged"
@@ -252,17 +253,10 @@ class PagedBackend(Backend):
 
     def __init__(self, model: torch.nn.Module, block_manager: BlockManager,
                  storage: KVBlockStorage | None = None, max_model_len: int | None = None,
-                 model_runner: str = "hf") -> None:
+                 runner: Any = None) -> None:
         bm = block_manager
         refuse_unsupported(model, "paged", max_model_len)
-        if model_runner not in ("hf", "compact"):
-            raise ValueError(f"model_runner={model_runner!r}; use 'hf' or 'compact'")
-        self.runner = None  # None: the HF model's own forward
-        if model_runner == "compact":
-            from .compact import CompactLlama
-
-            self.runner = CompactLlama(model, max_model_len
-                                       or int(model.config.max_position_embeddings))
+        self.runner = runner  # None: the HF model's own forward
         self.storage = storage or KVBlockStorage.for_model(model, bm.num_blocks, bm.block_size)
         if (self.storage.num_blocks, self.storage.block_size) != (bm.num_blocks, bm.block_size):
             raise ValueError(f"storage is {self.storage.num_blocks} x {self.storage.block_size}, "
