@@ -125,3 +125,12 @@ def test_compact_on_smollm2_equals_hf_generate(real_model, real_oracle):
     run_checked(engine)
     for p, h in zip(prompts, handles):
         assert h.output.token_ids == real_oracle(p, 12)
+
+
+def test_compact_bench_times_pure_decode_ticks_of_both_runners():
+    """The benchmark's building block runs on any Llama: both engines tick B rows."""
+    from minserve.bench.compact_bench import measure
+
+    r = measure(tiny("llama"), None, B=2, prompt_len=12, ticks=2, warmup=1)
+    assert r["B"] == 2 and min(r["hf"], r["compact"], r["floor"]) > 0
+    assert set(r["shares"]) and 0 < sum(r["shares"].values()) <= 1
