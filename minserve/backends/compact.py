@@ -2,21 +2,21 @@
 
 Why this exists. The paged backend can run Hugging Face's own model (`model_runner="hf"`):
 no forked model code, every architecture transformers knows. But on a CPU a decode
-step of a small model is mostly *not* arithmetic. SmolLM2-135M has 30 layers; HF's
-forward goes through ~20 `nn.Module` calls per layer, each with hooks, keyword
-plumbing, `**kwargs` unpacking, a mask builder, a rotary module run every forward,
-the AttentionInterface lookup, separate q/k/v and gate/up projections, and a
-`.contiguous()` or `.transpose()` copy between most of them. At batch 1-8 the weight
-matmuls take ~20-50 ms per step and the rest is Python and small ops
-(docs/benchmarks.md, "Compact forward").
+step of a small model is not only arithmetic. SmolLM2-135M has 30 layers; HF's
+forward goes through a dozen `nn.Module` calls per layer, each with hook checks and
+keyword plumbing, plus per forward a mask builder and the rotary module, per layer the
+AttentionInterface lookup, separate q/k/v and gate/up projections, and transposes
+and `.contiguous()` copies between them. All of that is on top of the weight matmuls
+(~20 ms per step at batch 1 on a quiet 2-core machine, ~50 ms at batch 8-16):
+docs/benchmarks.md, "Compact forward", measures both paths and that floor.
 
 This file is the same math with the plumbing taken out, in the style of nano-vllm
 (github.com/GeeeekExplorer/nano-vllm) and vLLM's model files:
 
 * the weights are taken once from the loaded HF model: q, k and v stacked into one
   (H + 2*H_kv) * D x E matrix, gate and up into one 2*I x E matrix, so a layer does
-  3 weight matmuls plus the output projection instead of 7 (one larger matmul beats
-  several small ones, and saves their per-op overhead);
+  4 weight matmuls instead of 7 (one larger matmul beats several small ones, and
+  saves their per-op overhead);
 * RoPE's cos/sin are computed once for every position up to `max_model_len` (with
   HF's own rope init function, so rope scaling such as "llama3" or "linear" comes out
   the same) and looked up by position: no rotary module per forward;
