@@ -91,7 +91,12 @@ class Engine:
         if config.backend == "paged":
             from .backends.paged import PagedBackend
 
-            backend = PagedBackend(model, self.block_manager, storage, self.max_model_len)
+            runner = None  # model_runner="hf": the HF model's own forward
+            if config.model_runner == "compact":  # refuses a model it cannot run, naming why
+                from .backends.compact import CompactLlama
+
+                runner = CompactLlama(model, self.max_model_len)
+            backend = PagedBackend(model, self.block_manager, storage, self.max_model_len, runner)
         else:
             backend = PaddedBackend(model, storage=storage)
             backend.block_manager = self.block_manager

@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1] / "minserve"
 CORE = ["config.py", "request.py", "sampling.py", "policies.py", "fair.py", "gates.py",
         "kv_cache.py", "scheduler.py", "explain.py", "records.py", "streaming.py", "engine.py",
         "models.py",
-        "backends/base.py", "backends/padded.py", "backends/paged.py", "backends/kv_storage.py"]
+        "backends/base.py", "backends/padded.py", "backends/paged.py", "backends/kv_storage.py",
+        "backends/compact.py"]
 
 
 def code_lines(path: Path) -> tuple[int, int]:

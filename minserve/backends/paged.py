@@ -156,25 +156,31 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     # A sliding window reaches here only when it is at least the context (checked at
     # construction by `base.refuse_unsupported`): then it hides nothing and plain causal
     # attention is exact. Soft-capping never reaches here (refused there too).
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return paged_attention(ctx, module.layer_idx, query, key, value, scale), None
+
+
+def paged_attention(ctx: PagedForward, layer: int, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, scale: float) -> torch.Tensor:
+    """One layer's paged attention: q (B, H, T, D), this forward's new k/v (B, H_kv, T, D)
+    -> out (B, T, H, D). Called by the HF hook above and by `compact.CompactLlama`."""
     B, H, T, D = query.shape
     H_kv = key.shape[1]
-    layer = module.layer_idx
     # 1. Write: this forward's new K/V into their slots. Done first, so the gather
     #    below sees each query's own token (a token attends to itself).
     new_k = key.transpose(1, 2).reshape(B * T, H_kv, D)  # (N, H_kv, D), N = B*T flat tokens
     new_v = value.transpose(1, 2).reshape(B * T, H_kv, D)  # (N, H_kv, D)
     ctx.storage.write(layer, ctx.write_slots, new_k, new_v)
-    scale = D ** -0.5 if scaling is None else scaling
     flat_q = query.transpose(1, 2).reshape(B * T, H, D)  # (N, H, D) in flat token order
     g = ctx.groups[0]
     if len(ctx.groups) == 1 and (g.B, g.T) == (B, T):  # a plain batch: q is (B, H, T, D)
-        return _attend(ctx, layer, ctx.groups[0], query, H_kv, scale), None  # (B, T, H, D)
+        return _attend(ctx, layer, ctx.groups[0], query, H_kv, scale)  # (B, T, H, D)
     out = torch.empty_like(flat_q)  # (N, H, D)
     for g in ctx.groups:  # mixed forward: decode rows together, each chunk length apart
         n = g.B * g.T
         q = flat_q[g.offset:g.offset + n].view(g.B, g.T, H, D).transpose(1, 2)  # (B_g, H, T_g, D)
         out[g.offset:g.offset + n] = _attend(ctx, layer, g, q, H_kv, scale).reshape(n, H, D)
-    return out.view(B, T, H, D), None  # (1, N, H, D)
+    return out.view(B, T, H, D)  # (1, N, H, D)
 
 
 def _attend(ctx: PagedForward, layer: int, g: RowGroup, query: torch.Tensor, H_kv: int,
@@ -233,6 +239,12 @@ class PagedBackend(Backend):
     (to share one with another backend). The scheduler allocates, grows and frees
     block tables; this backend only reads them, and tracks per row how many tokens'
     KV it has written (`row_lengths()`).
+
+    `runner` is what computes a forward: None, the HF model itself with this file's
+    attention installed (any architecture transformers has), or an object whose
+    `forward(ids, positions, ctx, logits_to_keep)` does it over this pool:
+    `compact.CompactLlama`, the Llama family's forward written out (faster on CPU;
+    `EngineConfig(model_runner="compact")` builds one).
     """
 
     name = "paged"
@@ -240,9 +252,11 @@ class PagedBackend(Backend):
     supports_batched_prefill = True
 
     def __init__(self, model: torch.nn.Module, block_manager: BlockManager,
-                 storage: KVBlockStorage | None = None, max_model_len: int | None = None) -> None:
+                 storage: KVBlockStorage | None = None, max_model_len: int | None = None,
+                 runner: Any = None) -> None:
         bm = block_manager
         refuse_unsupported(model, "paged", max_model_len)
+        self.runner = runner  # None: the HF model's own forward
         self.storage = storage or KVBlockStorage.for_model(model, bm.num_blocks, bm.block_size)
         if (self.storage.num_blocks, self.storage.block_size) != (bm.num_blocks, bm.block_size):
             raise ValueError(f"storage is {self.storage.num_blocks} x {self.storage.block_size}, "
@@ -250,7 +264,8 @@ class PagedBackend(Backend):
         self.model, self.block_manager = model, bm
         self.device = self.storage.device
         self.vocab_size = model.get_output_embeddings().out_features
-        self._previous_attn = install_paged_attention(model)
+        # The HF route needs our attention function installed; the compact one calls it itself.
+        self._previous_attn = install_paged_attention(model) if self.runner is None else None
         self.staging: dict[str, int] = {}  # request_id -> tokens with KV, rows being prefilled
         self.rows: dict[str, int] = {}  # request_id -> tokens with KV, the decode batch
 
@@ -398,6 +413,8 @@ class PagedBackend(Backend):
              logits_to_keep: int | torch.Tensor) -> torch.Tensor:
         """The model over ids (B, T) with this backend's attention context; float32 logits
         at the positions `logits_to_keep` names (HF's meaning: the last k, or indices)."""
+        if self.runner is not None:  # model_runner="compact": the same math, written out
+            return self.runner.forward(ids, positions, ctx, logits_to_keep)
         if self.model.config._attn_implementation != PAGED_ATTN_IMPL:
             install_paged_attention(self.model)  # someone switched it away: switch back
         out = self.model(input_ids=ids, position_ids=positions, use_cache=False,

@@ -17,7 +17,8 @@
     run.summary()["ttft"]["p99"]
 
 `sched_bench.py` is the scheduling benchmark, `kv_bench.py` the KV-cache one,
-`decode_throughput.py` the decode-throughput one; `demo_wait.py` times the chat
+`decode_throughput.py` the decode-throughput one; `compact_bench.py` times a decode
+tick of the HF model against the compact forward and the weight-matmul floor; `demo_wait.py` times the chat
 demo's light user under its flood (docs/demo.md); `docs_report.py` writes each
 benchmark's own section of docs/benchmarks.md.
 

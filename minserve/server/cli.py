@@ -31,7 +31,15 @@ import time
 import typing
 from typing import Any
 
-from ..config import ADMISSIONS, BACKENDS, DTYPES, POLICIES, EngineConfig, PrefillMode
+from ..config import (
+    ADMISSIONS,
+    BACKENDS,
+    DTYPES,
+    MODEL_RUNNERS,
+    POLICIES,
+    EngineConfig,
+    PrefillMode,
+)
 from .limits import ServerLimits
 
 # What a server shared by several users needs over EngineConfig's defaults (which suit a
@@ -46,7 +54,7 @@ from .limits import ServerLimits
 SERVING_DEFAULTS: dict[str, Any] = {"prefill_chunk_size": 256, "max_request_kv_share": 0.5,
                                     "max_tenant_kv_share": 0.5, "max_rows_per_session": 4}
 CHOICES = {"policy": POLICIES, "backend": BACKENDS, "dtype": DTYPES, "admission": ADMISSIONS,
-           "prefill_mode": tuple(m.value for m in PrefillMode)}
+           "model_runner": MODEL_RUNNERS, "prefill_mode": tuple(m.value for m in PrefillMode)}
 SERVER_ENV = {"host": "MINSERVE_HOST", "port": "MINSERVE_PORT", "api_key": "MINSERVE_API_KEY",
               "api_keys_file": "MINSERVE_API_KEYS_FILE"}
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

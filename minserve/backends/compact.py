@@ -1,0 +1,181 @@
+"""A compact forward for the Llama family: the model step written out, in one file.
+
+Why this exists. The paged backend can run Hugging Face's own model (`model_runner="hf"`):
+no forked model code, every architecture transformers knows. But on a CPU a decode
+step of a small model is not only arithmetic. SmolLM2-135M has 30 layers; HF's
+forward goes through a dozen `nn.Module` calls per layer, each with hook checks and
+keyword plumbing, plus per forward a mask builder and the rotary module, per layer the
+AttentionInterface lookup, separate q/k/v and gate/up projections, and transposes
+and `.contiguous()` copies between them. All of that is on top of the weight matmuls
+(~20 ms per step at batch 1 on a quiet 2-core machine, ~50 ms at batch 8-16):
+docs/benchmarks.md, "Compact forward", measures both paths and that floor.
+
+This file is the same math with the plumbing taken out, in the style of nano-vllm
+(github.com/GeeeekExplorer/nano-vllm) and vLLM's model files:
+
+* the weights are taken once from the loaded HF model: q, k and v stacked into one
+  (H + 2*H_kv) * D x E matrix, gate and up into one 2*I x E matrix, so a layer does
+  4 weight matmuls instead of 7 (one larger matmul beats several small ones, and
+  saves their per-op overhead);
+* RoPE's cos/sin are computed once for every position up to `max_model_len` (with
+  HF's own rope init function, so rope scaling such as "llama3" or "linear" comes out
+  the same) and looked up by position: no rotary module per forward;
+* q and k are rotated together, as one (N, H + H_kv, D) tensor;
+* attention is `paged.paged_attention` called directly with the forward's block
+  tables (`PagedForward`): no AttentionInterface, no per-layer cache objects, and the
+  GQA grouping is done there without copying K/V per query head;
+* logits are computed only for the tokens that are sampled (a decode row's token, a
+  prompt's last token): the output head (V x E, the largest matmul for a small model)
+  never runs on the other positions.
+
+HF's model stays the oracle: tests/test_compact.py checks this forward token-exact
+against `generate` and its logits allclose against the HF path. Anything it does not
+compute (another architecture, a rope type that changes with the length) is refused
+at construction with the reason; `model_runner="hf"` runs those.
+
+The token layout is the paged backend's: the forward's new tokens are one flat
+sequence of N tokens (B rows x T tokens, or a mixed batch's decode tokens and chunks
+side by side, B = 1), so every tensor here is (N, ...) until attention.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .paged import PagedForward, paged_attention
+
+# HF model_type -> its layers are Llama's (pre-norm RMSNorm, RoPE, SiLU-gated MLP),
+# differing only in biases: Qwen2 has q/k/v biases, Mistral a sliding window (the paged
+# backend refuses a window smaller than the context before we get here).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Rope types whose cos/sin depend only on the position (not on the current length).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def unsupported_reasons(config) -> list[str]:
+    """Why `CompactLlama` cannot run a model with this HF config (empty: it can)."""
+    reasons = []
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        reasons.append(f"model_type={config.model_type!r} (compact runs {SUPPORTED_MODEL_TYPES})")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        reasons.append(f"hidden_act={config.hidden_act!r} (compact runs 'silu')")
+    rope = _rope_parameters(config)
+    if rope.get("rope_type", "default") not in STATIC_ROPE_TYPES:
+        reasons.append(f"rope_type={rope.get('rope_type')!r} (compact runs {STATIC_ROPE_TYPES})")
+    return reasons
+
+
+def _rope_parameters(config) -> dict:
+    return dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+                or {})
+
+
+class CompactLlama:
+    """The Llama-family forward over the paged KV pool: `forward(ids, positions, ctx, keep)`.
+
+    Built from a loaded HF `*ForCausalLM`; keeps its own fused copies of the projection
+    weights (for SmolLM2-135M ~70 M floats, 280 MB in fp32) and shares the rest
+    (embedding, norms, output head) with the HF model.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_model_len: int) -> None:
+        cfg = model.config
+        reasons = unsupported_reasons(cfg)
+        if reasons:
+            raise ValueError(f"model_runner='compact' cannot run {type(model).__name__}: "
+                             f"{'; '.join(reasons)}. Use model_runner='hf'")
+        self.num_heads = cfg.num_attention_heads  # H
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads  # H_kv
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads  # D
+        self.eps = cfg.rms_norm_eps
+        inner = model.model  # LlamaModel: embed_tokens, layers, norm, rotary_emb
+        self.embed = inner.embed_tokens.weight  # (V, E)
+        self.final_norm = inner.norm.weight  # (E,)
+        self.lm_head = model.get_output_embeddings()  # Linear E -> V (tied to embed or not)
+        self.layers = [self._fuse(layer) for layer in inner.layers]
+        self.cos, self.sin = self._rope_tables(inner.rotary_emb, max_model_len)  # (P, D) each
+        self.scale = self.head_dim ** -0.5
+
+    @staticmethod
+    @torch.no_grad()
+    def _fuse(layer: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+        """One decoder layer's weights, with q/k/v and gate/up stacked row-wise."""
+        att, mlp = layer.self_attn, layer.mlp
+
+        def cat_bias(*linears):
+            if all(lin.bias is None for lin in linears):
+                return None
+            return torch.cat([lin.bias if lin.bias is not None
+                              else lin.weight.new_zeros(lin.out_features) for lin in linears])
+
+        return {
+            "ln1": layer.input_layernorm.weight,  # (E,)
+            "qkv": torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]),
+            # ^ ((H + 2*H_kv) * D, E): rows 0..H*D-1 make q, then k, then v
+            "qkv_bias": cat_bias(att.q_proj, att.k_proj, att.v_proj),
+            "o": att.o_proj.weight, "o_bias": att.o_proj.bias,  # (E, H*D)
+            "ln2": layer.post_attention_layernorm.weight,  # (E,)
+            "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),  # (2I, E)
+            "gate_up_bias": cat_bias(mlp.gate_proj, mlp.up_proj),
+            "down": mlp.down_proj.weight, "down_bias": mlp.down_proj.bias,  # (E, I)
+        }
+
+    @staticmethod
+    @torch.no_grad()
+    def _rope_tables(rotary_emb: torch.nn.Module, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for positions 0..max_len-1, each (max_len, D), from HF's own rotary
+        module (its inv_freq and attention scaling already include any rope scaling)."""
+        inv_freq = rotary_emb.inv_freq.float()  # (D/2,)
+        pos = torch.arange(max_len, dtype=torch.float32, device=inv_freq.device)  # (P,)
+        freqs = pos[:, None] * inv_freq[None, :]  # (P, D/2): as HF computes it, per element
+        emb = torch.cat((freqs, freqs), dim=-1)  # (P, D): HF's "rotate_half" layout
+        scaling = getattr(rotary_emb, "attention_scaling", 1.0)
+        return emb.cos() * scaling, emb.sin() * scaling  # float32; cast per forward, as HF does
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """HF's LlamaRMSNorm, op for op (so fp32 results are bit-equal): x / rms(x) * w."""
+        variance = x.float().pow(2).mean(-1, keepdim=True)  # (N, 1)
+        return weight * (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx: PagedForward,
+                logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        """ids, positions (B, T) -> float32 logits (B, K, V) at the kept positions
+        (`logits_to_keep`: the last k per row, or indices into T), as the HF path returns."""
+        B, T = ids.shape
+        N = B * T
+        H, H_kv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        x = F.embedding(ids.reshape(N), self.embed)  # (N, E): flat tokens, row after row
+        pos = positions.reshape(N)
+        cos = self.cos[pos].unsqueeze(1).to(x.dtype)  # (N, 1, D): broadcasts over heads
+        sin = self.sin[pos].unsqueeze(1).to(x.dtype)
+        for i, w in enumerate(self.layers):
+            # --- attention block: x + o_proj(attention(rope(q), rope(k), v)) -------------
+            h = self._rms_norm(x, w["ln1"])  # (N, E)
+            qkv = F.linear(h, w["qkv"], w["qkv_bias"])  # (N, (H + 2*H_kv) * D)
+            qk = qkv[:, :(H + H_kv) * D].view(N, H + H_kv, D)  # q heads then k heads
+            v = qkv[:, (H + H_kv) * D:].view(N, H_kv, D)  # (N, H_kv, D)
+            qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k at once: (N, H + H_kv, D)
+            q = qk[:, :H].view(B, T, H, D).transpose(1, 2)  # (B, H, T, D): the HF layout
+            k = qk[:, H:].view(B, T, H_kv, D).transpose(1, 2)  # (B, H_kv, T, D)
+            v = v.view(B, T, H_kv, D).transpose(1, 2)  # (B, H_kv, T, D)
+            o = paged_attention(ctx, i, q, k, v, self.scale)  # (B, T, H, D)
+            x = x + F.linear(o.reshape(N, H * D), w["o"], w["o_bias"])  # (N, E)
+            # --- MLP block: x + down(silu(gate(h)) * up(h)) ------------------------------
+            h = self._rms_norm(x, w["ln2"])  # (N, E)
+            gate, up = F.linear(h, w["gate_up"], w["gate_up_bias"]).chunk(2, dim=-1)  # (N, I) each
+            x = x + F.linear(F.silu(gate) * up, w["down"], w["down_bias"])  # (N, E)
+        # --- output head, only where a token is sampled ----------------------------------
+        x = x.view(B, T, -1)  # (B, T, E)
+        if isinstance(logits_to_keep, int):
+            x = x[:, -logits_to_keep:]  # (B, k, E)
+        else:
+            x = x[:, logits_to_keep]  # (B, K, E)
+        return self.lm_head(self._rms_norm(x, self.final_norm)).float()  # (B, K, V)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(..., D) -> (-x[D/2:], x[:D/2]): RoPE's rotation in HF's half-split layout."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
