@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,12 +246,13 @@ restarted with that flag.
 {phenomena.table(figs)}
 """
     minutes = (time.perf_counter() - t_all) / 60
+    shown = " ".join(x for x in (argv if argv is not None else sys.argv[1:]) if x != "--write")
     w = chat_service(tok, low, args.duration_s, args.seed, args.min_requests)
     md = f"""## Side by side over HTTP: minserve, vLLM CPU, Hugging Face's server
 
 {machine_line()}; load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.
-Command: `make peers-bench` (`python -m minserve.bench.side_by_side --write`; took
-{minutes:.0f} min; server logs in `{args.out_dir}`).
+Command: `make peers-bench{' ARGS="' + shown + '"' if shown else ''}` (`python -m
+minserve.bench.side_by_side --write`; took {minutes:.0f} min; server logs in `{args.out_dir}`).
 
 Each server runs alone on the same model folder (the converted SmolLM2-135M, fp32),
 started as its docs say (`minserve/bench/servers.py`): `minserve serve` with its
