@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minserve-args", default="", help="extra `minserve serve` flags")
     p.add_argument("--out-dir", default="bench-results/side-by-side", help="server logs")
     p.add_argument("--no-phenomena", dest="phenomena", action="store_false",
-                   help="skip the lessons' two phenomena on minserve and vLLM (phenomena.py)")
+                   help="skip lessons 03 and 06's phenomena on minserve and vLLM (phenomena.py)")
     p.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     args = p.parse_args(argv)
     bad = [x for x in args.peers if x not in PEERS]
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                 model_dir, free_port(), args.vllm_venv, extra=extra)
         figs = phenomena.run_all(makers, tok, args.out_dir)
         lessons = f"""
-**Two lessons' phenomena on both engines** (`minserve/bench/phenomena.py`). Lesson 03:
+**The phenomena of lessons 03 and 06 on both engines** (`minserve/bench/phenomena.py`). Lesson 03:
 a {phenomena.PREFIX_TOKENS}-token prefix sent twice with different {phenomena.SUFFIX_TOKENS}-token
 endings, one request at a time (the second one's TTFT drops when its prefix's KV is
 reused). Lesson 06: a short chat streams {phenomena.STREAM_TOKENS} tokens; {phenomena.LONG_AFTER_S:g} s
