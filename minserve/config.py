@@ -32,7 +32,7 @@ BUILT_MODE_BACKENDS = {(PrefillMode.MONOLITHIC, "padded"), (PrefillMode.MONOLITH
 POLICIES = ("fcfs", "fair")
 ADMISSIONS = ("reserve", "preempt")
 BACKENDS = ("padded", "paged")
-MODEL_RUNNERS = ("hf", "compact")
+MODEL_RUNNERS = ("hf", "compact", "auto")
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -77,8 +77,9 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block (K1)
     num_blocks: int | None = None  # None -> derived from max_batch_size * max_model_len
     enable_prefix_caching: bool = True  # K1/K2: reuse the KV of equal prompt prefixes
-    # What computes the paged backend's forward: "hf" (the HF model, any architecture) or
-    # "compact" (backends/compact.py: the Llama family written out; faster on CPU).
+    # What computes the paged backend's forward: "hf" (the HF model, any architecture),
+    # "compact" (backends/compact.py: the Llama family written out; faster on CPU), or
+    # "auto": compact on the paged backend when it can run the model, else hf.
     model_runner: str = "hf"
 
     # --- prefill (C) ---------------------------------------------------------------
@@ -114,7 +115,7 @@ class EngineConfig:
         need(self.backend in BACKENDS, f"backend={self.backend!r}; use one of {BACKENDS}")
         need(self.model_runner in MODEL_RUNNERS,
              f"model_runner={self.model_runner!r}; use one of {MODEL_RUNNERS}")
-        need(self.model_runner == "hf" or self.backend == "paged",
+        need(self.model_runner != "compact" or self.backend == "paged",
              f"model_runner={self.model_runner!r} runs on backend='paged', not "
              f"backend={self.backend!r}")
         need(_pos_int(self.block_size), f"block_size={self.block_size!r}; use an int >= 1")

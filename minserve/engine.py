@@ -91,10 +91,11 @@ class Engine:
         if config.backend == "paged":
             from .backends.paged import PagedBackend
 
-            runner = None  # model_runner="hf": the HF model's own forward
-            if config.model_runner == "compact":  # refuses a model it cannot run, naming why
-                from .backends.compact import CompactLlama
+            from .backends.compact import CompactLlama, unsupported_reasons
 
+            runner = None  # model_runner="hf": the HF model's own forward
+            if config.model_runner == "compact" or (  # "compact" refuses a model it cannot run
+                    config.model_runner == "auto" and not unsupported_reasons(model.config)):
                 runner = CompactLlama(model, self.max_model_len)
             backend = PagedBackend(model, self.block_manager, storage, self.max_model_len, runner)
         else:

@@ -89,14 +89,18 @@ def test_serving_front_ends_default_to_chunked_prefill_and_a_flag_or_variable_tu
     p = argparse.ArgumentParser()
     add_serve_arguments(p)
     served = engine_config_from_args(p.parse_args([]), {}, defaults=SERVING_DEFAULTS)
-    assert (served.prefill_mode, served.prefill_chunk_size) == ("chunked", 256)
+    # the server: chunks of 256 prompt tokens inside the decode forward (Version B)
+    assert (served.prefill_mode, served.prefill_chunk_size) == ("mixed_batch", 256)
     assert "default 256" in p.format_help().replace("\n", " ")
     off = engine_config_from_args(p.parse_args([]), {"MINSERVE_PREFILL_CHUNK_SIZE": "0"},
                                   defaults=SERVING_DEFAULTS)
-    assert off.prefill_mode == "monolithic"
+    assert off.prefill_chunk_size == 0  # a whole prompt per forward
     flag = engine_config_from_args(p.parse_args(["--prefill-chunk-size", "64"]),
                                    {"MINSERVE_PREFILL_CHUNK_SIZE": "0"}, defaults=SERVING_DEFAULTS)
-    assert (flag.prefill_mode, flag.prefill_chunk_size) == ("chunked", 64)
+    assert (flag.prefill_mode, flag.prefill_chunk_size) == ("mixed_batch", 64)
+    chunked = engine_config_from_args(p.parse_args(["--prefill-mode", "chunked"]), {},
+                                      defaults=SERVING_DEFAULTS)
+    assert (chunked.prefill_mode, chunked.prefill_chunk_size) == ("chunked", 256)
     demo, _, _ = chat_demo.config_from_args(chat_demo.parse_args([]), env={})
     assert demo.prefill_mode == "chunked"
     assert APP_DEFAULTS["prefill_chunk_size"] == SERVING_DEFAULTS["prefill_chunk_size"]

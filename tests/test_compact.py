@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from minserve import EngineConfig, SamplingParams
-from minserve.backends.compact import CompactLlama
+from minserve.backends.compact import CompactLlama, Linear
 from minserve.backends.paged import PagedBackend, PagedForward
 from minserve.kv_cache import BlockManager
 
@@ -101,6 +101,28 @@ def test_model_runner_knob_is_validated():
         EngineConfig(backend="padded", model_runner="compact")
     with pytest.raises(ValueError, match="model_runner='fast'"):
         EngineConfig(backend="paged", model_runner="fast")
+
+
+def test_auto_runner_is_compact_where_it_runs_the_model_and_hf_elsewhere():
+    """`model_runner="auto"` (what `minserve serve` uses): never refuses a model."""
+    llama = make_engine(tiny("llama"), backend="paged", model_runner="auto")
+    assert isinstance(llama.scheduler.backend.runner, CompactLlama)
+    qwen3 = make_engine(tiny("qwen3", head_dim=16), backend="paged", model_runner="auto")
+    assert qwen3.scheduler.backend.runner is None  # the HF model's own forward
+    assert EngineConfig(backend="padded", model_runner="auto").backend == "padded"
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepacked_linear_computes_what_f_linear_computes(bias):
+    torch.manual_seed(0)
+    w, b, x = torch.randn(48, 32), torch.randn(48) if bias else None, torch.randn(5, 32)
+    lin = Linear(w, b)
+    assert lin.packed is not None or not torch.backends.mkldnn.is_available()
+    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    xt = x.t().contiguous().t()  # (5, 32), not contiguous
+    torch.testing.assert_close(lin(xt), lin(x))
+    plain = Linear(w.double(), None if b is None else b.double())  # no oneDNN: F.linear
+    assert plain.packed is None and plain(x.double()).dtype == torch.float64
 
 
 def test_compact_leaves_the_hf_model_usable():

@@ -17,7 +17,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from minserve.backends.base import model_forward_kwargs
 from minserve.backends.kv_storage import KVBlockStorage
-from minserve.backends.paged import PAGED_ATTN_IMPL, PagedBackend
+from minserve.backends.paged import PAGED_ATTN_IMPL, PagedBackend, PagedForward, paged_attention
 from minserve.kv_cache import BlockManager
 from minserve.request import Request
 from minserve.sampling import SamplingParams
@@ -219,6 +219,34 @@ def test_shared_prefix_blocks_are_reused_not_recomputed(models):
     assert c.num_cached_tokens == 2 * BLOCK
     logits = s.prefill(c)
     assert not torch.allclose(logits, hf_logits(ref, c.prompt_token_ids), atol=ATOL)
+
+
+@torch.inference_mode()
+def test_decode_reads_a_shared_prefix_once_and_attends_exactly_as_row_by_row():
+    """Rows whose tables start with the same blocks (a cached system prompt) meet those
+    keys in one matmul for all rows; the result is each row's attention alone."""
+    H, H_kv, D = 4, 2, 8
+    st = KVBlockStorage(num_blocks=32, block_size=BLOCK, num_layers=1, num_kv_heads=H_kv, head_dim=D)
+    torch.manual_seed(0)
+    st.flat(0)[0].normal_(), st.flat(0)[1].normal_()
+    prefix = [7, 3, 12]  # 3 full blocks every row starts with
+    tables = [prefix + [20, 21], prefix + [5], prefix + [9, 10, 11]]
+    starts = [17, 13, 23]  # each row's new token; all lie past the prefix (3 * 4 = 12 tokens)
+    rows = [(t, s, 1) for t, s in zip(tables, starts)]
+    ctx = PagedForward.build_rows(st, rows)
+    assert ctx.groups[0].shared_blocks.tolist() == prefix
+    q, k, v = torch.randn(3, H, 1, D), torch.randn(3, H_kv, 1, D), torch.randn(3, H_kv, 1, D)
+    together = paged_attention(ctx, 0, q, k, v, D ** -0.5)  # (B, 1, H, D)
+    for b, row in enumerate(rows):  # alone: B = 1, nothing shared, every key read per row
+        alone_ctx = PagedForward.build_rows(st, [row])
+        assert alone_ctx.groups[0].shared_blocks is None
+        alone = paged_attention(alone_ctx, 0, q[b:b + 1], k[b:b + 1], v[b:b + 1], D ** -0.5)
+        assert torch.allclose(together[b], alone[0], atol=1e-6)
+    # A row whose new token lies inside the third block sees only part of it: two shared.
+    short = PagedForward.build_rows(st, rows + [(prefix + [6], 10, 1)])
+    assert short.groups[0].shared_blocks.tolist() == prefix[:2]
+    # Tables that differ in their first block share nothing.
+    assert PagedForward.build_rows(st, rows + [([1, 3, 12, 4], 13, 1)]).groups[0].shared_blocks is None
 
 
 # --- KVBlockStorage, as the padded backend uses it -----------------------------------------------

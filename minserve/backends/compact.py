@@ -94,6 +94,8 @@ class CompactLlama:
         self.final_norm = inner.norm.weight  # (E,)
         self.lm_head = model.get_output_embeddings()  # Linear E -> V (tied to embed or not)
         self.layers = [self._fuse(layer) for layer in inner.layers]
+        head = self.lm_head
+        self.head = Linear(head.weight, head.bias)  # (V, E): prepacked apart from the embedding
         self.cos, self.sin = self._rope_tables(inner.rotary_emb, max_model_len)  # (P, D) each
         self.scale = self.head_dim ** -0.5
 
@@ -111,14 +113,14 @@ class CompactLlama:
 
         return {
             "ln1": layer.input_layernorm.weight,  # (E,)
-            "qkv": torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]),
+            "qkv": Linear(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]),
+                          cat_bias(att.q_proj, att.k_proj, att.v_proj)),
             # ^ ((H + 2*H_kv) * D, E): rows 0..H*D-1 make q, then k, then v
-            "qkv_bias": cat_bias(att.q_proj, att.k_proj, att.v_proj),
-            "o": att.o_proj.weight, "o_bias": att.o_proj.bias,  # (E, H*D)
+            "o": Linear(att.o_proj.weight, att.o_proj.bias),  # (E, H*D)
             "ln2": layer.post_attention_layernorm.weight,  # (E,)
-            "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),  # (2I, E)
-            "gate_up_bias": cat_bias(mlp.gate_proj, mlp.up_proj),
-            "down": mlp.down_proj.weight, "down_bias": mlp.down_proj.bias,  # (E, I)
+            "gate_up": Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                              cat_bias(mlp.gate_proj, mlp.up_proj)),  # (2I, E)
+            "down": Linear(mlp.down_proj.weight, mlp.down_proj.bias),  # (E, I)
         }
 
     @staticmethod
@@ -153,7 +155,7 @@ class CompactLlama:
         for i, w in enumerate(self.layers):
             # --- attention block: x + o_proj(attention(rope(q), rope(k), v)) -------------
             h = self._rms_norm(x, w["ln1"])  # (N, E)
-            qkv = F.linear(h, w["qkv"], w["qkv_bias"])  # (N, (H + 2*H_kv) * D)
+            qkv = w["qkv"](h)  # (N, (H + 2*H_kv) * D)
             qk = qkv[:, :(H + H_kv) * D].view(N, H + H_kv, D)  # q heads then k heads
             v = qkv[:, (H + H_kv) * D:].view(N, H_kv, D)  # (N, H_kv, D)
             qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k at once: (N, H + H_kv, D)
@@ -161,18 +163,48 @@ class CompactLlama:
             k = qk[:, H:].view(B, T, H_kv, D).transpose(1, 2)  # (B, H_kv, T, D)
             v = v.view(B, T, H_kv, D).transpose(1, 2)  # (B, H_kv, T, D)
             o = paged_attention(ctx, i, q, k, v, self.scale)  # (B, T, H, D)
-            x = x + F.linear(o.reshape(N, H * D), w["o"], w["o_bias"])  # (N, E)
+            x = x + w["o"](o.reshape(N, H * D))  # (N, E)
             # --- MLP block: x + down(silu(gate(h)) * up(h)) ------------------------------
             h = self._rms_norm(x, w["ln2"])  # (N, E)
-            gate, up = F.linear(h, w["gate_up"], w["gate_up_bias"]).chunk(2, dim=-1)  # (N, I) each
-            x = x + F.linear(F.silu(gate) * up, w["down"], w["down_bias"])  # (N, E)
+            gate, up = w["gate_up"](h).chunk(2, dim=-1)  # (N, I) each
+            x = x + w["down"](F.silu(gate) * up)  # (N, E)
         # --- output head, only where a token is sampled ----------------------------------
         x = x.view(B, T, -1)  # (B, T, E)
         if isinstance(logits_to_keep, int):
             x = x[:, -logits_to_keep:]  # (B, k, E)
         else:
             x = x[:, logits_to_keep]  # (B, K, E)
-        return self.lm_head(self._rms_norm(x, self.final_norm)).float()  # (B, K, V)
+        x = self._rms_norm(x, self.final_norm)  # (B, K, E)
+        return self.head(x.reshape(-1, x.shape[-1])).view(*x.shape[:2], -1).float()  # (B, K, V)
+
+
+class Linear:
+    """`x (N, in) -> x @ W.T + b (N, out)`, what `F.linear` computes, with W prepacked once.
+
+    Why: at decode batch sizes PyTorch's default CPU matmul reads the weights poorly;
+    oneDNN (`torch._C._nn.mkldnn_linear`, the kernel behind `torch.utils.mkldnn`'s
+    MkldnnLinear and the path vLLM's CPU build takes) with the weight reordered once into
+    its blocked layout ran SmolLM2's linear layers 1.4-2x faster on 2 cores at batch 1-128
+    (docs/benchmarks.md, "Linear layers"). Same product, other summation order: logits
+    agree to float rounding, not bit for bit (tests/test_compact.py checks the tokens).
+    Without oneDNN (another device, a build without it) it is plain `F.linear`.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias  # (out, in), (out,) or None
+        self.shape = tuple(weight.shape)  # (out, in)
+        self.packed = None
+        if weight.device.type == "cpu" and weight.dtype == torch.float32 \
+                and torch.backends.mkldnn.is_available():
+            self.packed = weight.detach().to_mkldnn()  # a copy in oneDNN's blocked layout
+            self.weight = None  # the packed copy is the one used: don't hold two
+            self.bias = None if bias is None else bias.detach().to_mkldnn()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.packed,
+                                          self.bias).to_dense()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

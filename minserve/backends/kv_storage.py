@@ -174,6 +174,14 @@ class KVBlockStorage:
         torch.index_select(v_flat.view(H, self.num_blocks, S * D), 1, idx, out=v_out)
         return k_out.view(H, B, M * S, D), v_out.view(H, B, M * S, D)  # (H_kv, B, M*S, D)
 
+    def read_shared(self, layer: int, blocks: torch.Tensor) -> KV:
+        """K and V of the blocks `blocks` (P,), one after the other: each (H_kv, P*S, D).
+        A prefix that many rows share, read once for all of them."""
+        k_flat, v_flat = self.flat(layer)
+        H, S, D = self.num_kv_heads, self.block_size, self.head_dim
+        return tuple(f.view(H, self.num_blocks, S * D).index_select(1, blocks).view(H, -1, D)
+                     for f in (k_flat, v_flat))
+
     def gather(self, layer: int, block_table: list[int], length: int) -> KV:
         """Tokens 0..length-1 of one row, in order: K and V each (length, H_kv, D), copies."""
         k, v = self.read(layer, self.slot_mapping(block_table, 0, length))  # (H_kv, length, D)

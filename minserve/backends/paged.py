@@ -66,8 +66,9 @@ class RowGroup:
     offset: int  # first token of the group in the forward's flat token order
     B: int
     T: int
-    read_blocks: torch.Tensor  # (B, M) block ids of each row's tokens 0..M*S-1 (padded)
-    attn_mask: torch.Tensor  # (B, 1, T, M*S) bool: may query t of row b see key l?
+    read_blocks: torch.Tensor  # (B, M) block ids of each row's tokens P*S..(P+M)*S-1 (padded)
+    attn_mask: torch.Tensor  # (B, 1, T, M*S) bool: may query t of row b see key P*S + l?
+    shared_blocks: torch.Tensor | None = None  # (P,) the blocks every row's table starts with
 
 
 @dataclass
@@ -115,28 +116,43 @@ class PagedForward:
                offset: int) -> RowGroup:
         B, T = len(rows), rows[0][2]
         ends = [s + T for _, s, _ in rows]  # tokens each row holds after this forward
-        L = max(ends)
-        # Every row's block table in one padded tensor (B, need); past a row's last
-        # block, block 0: real memory, masked below.
+        for b, ((table, _, _), n) in enumerate(zip(rows, ends)):
+            if n > len(table) * storage.block_size:
+                raise ValueError(f"row {b} needs {n} tokens; its table has {len(table)} blocks")
         S = storage.block_size
-        need = -(-L // S)  # blocks covering L tokens
+        P = _shared_prefix_blocks(rows, S) if B > 1 and T == 1 else 0
+        # Every row's block table past the shared prefix in one padded tensor (B, need);
+        # past a row's last block, block 0: real memory, masked below.
+        need = -(-max(ends) // S) - P  # blocks covering the longest row, after the prefix
         tables = torch.zeros(B, need, dtype=torch.long)  # (B, need)
         for b, ((table, _, _), n) in enumerate(zip(rows, ends)):
-            if n > len(table) * S:
-                raise ValueError(f"row {b} needs {n} tokens; its table has {len(table)} blocks")
-            k = min(len(table), need)
-            tables[b, :k] = torch.tensor(table[:k], dtype=torch.long)
+            k = min(len(table), P + need) - P
+            tables[b, :k] = torch.tensor(table[P:P + k], dtype=torch.long)
         # Keys are read a whole block at a time (`read_blocks`): L_pad = need * S columns,
         # row b's tokens in its own blocks, then whatever sits in the rest of its last
         # block and in the padding blocks (block 0). All masked below.
-        key_pos = torch.arange(need * S)  # (L_pad,)
+        key_pos = torch.arange(P * S, (P + need) * S)  # (L_pad,) the keys' token positions
         # One comparison does both jobs: key l is visible to a query at position p iff
         # l <= p. That is causality inside a prefill chunk AND it hides the padding of
         # shorter rows in the gathered (B, L_pad) batch (l >= n > p for every query of b).
         positions = torch.tensor([[s + t for t in range(T)] for _, s, _ in rows])  # (B, T)
         mask = key_pos[None, None, :] <= positions[:, :, None]  # (B, T, L_pad)
+        shared = torch.tensor(rows[0][0][:P], dtype=torch.long, device=storage.device) if P else None
         return RowGroup(offset, B, T, tables.to(storage.device),
-                        mask.unsqueeze(1).to(storage.device))
+                        mask.unsqueeze(1).to(storage.device), shared)
+
+
+def _shared_prefix_blocks(rows: list[tuple[list[int], int, int]], block_size: int) -> int:
+    """How many leading blocks every row's table has in common, whole blocks that every
+    query of every row sees: P with tables[b][:P] equal for all b and P*S <= each row's
+    first new position. With prefix caching, rows that start with the same system prompt
+    hold the very same blocks for it (K1), so their decode attention can read those keys
+    ONCE for all rows instead of once per row (see `_attend`)."""
+    first, limit = rows[0][0], min(s for _, s, _ in rows) // block_size
+    P = 0
+    while P < min(limit, len(first)) and all(t[P] == first[P] for t, _, _ in rows):
+        P += 1
+    return P
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -209,8 +225,24 @@ def _attend(ctx: PagedForward, layer: int, g: RowGroup, query: torch.Tensor, H_k
     scores = (q @ k.transpose(-1, -2)) * scale  # (H_kv, B, G*T, D) @ (H_kv, B, D, L)
     scores = scores.view(H_kv, B, G, T, -1).masked_fill(  # mask (B, 1, T, L), per head
         ~g.attn_mask, float("-inf")).view(H_kv, B, G * T, -1)
-    probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)  # (H_kv, B, G*T, L)
-    out = probs @ v  # (H_kv, B, G*T, L) @ (H_kv, B, L, D) -> (H_kv, B, G*T, D)
+    if g.shared_blocks is None:
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)  # (H_kv, B, G*T, L)
+        out = probs @ v  # (H_kv, B, G*T, L) @ (H_kv, B, L, D) -> (H_kv, B, G*T, D)
+    else:
+        # 5. A shared prefix (P blocks every row starts with, `_shared_prefix_blocks`):
+        #    its keys are read once, and ALL rows' queries meet them in one matmul, as
+        #    in cascade / shared-prefix attention (Hydragen, Juravsky et al. 2024;
+        #    FlashInfer's cascade inference). Softmax runs over the prefix's scores and
+        #    the rows' own ones side by side, so the result is the same attention.
+        #        keys of row b:  [ shared prefix, P*S | row b's own blocks, L ]
+        k_s, v_s = ctx.storage.read_shared(layer, g.shared_blocks)  # (H_kv, P*S, D) each
+        q_all = q.reshape(H_kv, B * G * T, D)  # every row's queries stacked
+        shared = (q_all @ k_s.transpose(-1, -2)) * scale  # (H_kv, B*G*T, P*S)
+        n_s = shared.shape[-1]
+        probs = torch.cat([shared.view(H_kv, B, G * T, n_s), scores], dim=-1).softmax(
+            dim=-1, dtype=torch.float32).to(query.dtype)  # (H_kv, B, G*T, P*S + L)
+        out = (probs[..., :n_s].reshape(H_kv, B * G * T, n_s) @ v_s).view(H_kv, B, G * T, D)
+        out = out + probs[..., n_s:] @ v  # + (H_kv, B, G*T, L) @ (H_kv, B, L, D)
     out = out.view(H_kv, B, G, T, D).permute(1, 3, 0, 2, 4)  # (B, T, H_kv, G, D)
     return out.reshape(B, T, H, D)  # heads h = kv*G + g
 

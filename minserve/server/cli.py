@@ -51,8 +51,13 @@ from .limits import ServerLimits
 # And what a server a class shares needs (issue 23, docs/security.md): no request may
 # reserve more than half the KV budget, nor one tenant's rows together, so a maximal
 # request never holds everybody out; and one session holds at most half the batch rows.
-SERVING_DEFAULTS: dict[str, Any] = {"prefill_chunk_size": 256, "max_request_kv_share": 0.5,
-                                    "max_tenant_kv_share": 0.5, "max_rows_per_session": 4}
+SERVING_DEFAULTS: dict[str, Any] = {
+    # serving speed (docs/benchmarks.md, "Side by side"): blocks with prefix caching,
+    # the compact forward where it runs the model, prompt chunks inside the decode forward
+    "backend": "paged", "model_runner": "auto", "prefill_mode": "mixed_batch",
+    "prefill_chunk_size": 256, "max_batch_size": 32,
+    # a shared server (issue 23): no request, tenant or session takes the whole batch
+    "max_request_kv_share": 0.5, "max_tenant_kv_share": 0.5, "max_rows_per_session": 4}
 CHOICES = {"policy": POLICIES, "backend": BACKENDS, "dtype": DTYPES, "admission": ADMISSIONS,
            "model_runner": MODEL_RUNNERS, "prefill_mode": tuple(m.value for m in PrefillMode)}
 SERVER_ENV = {"host": "MINSERVE_HOST", "port": "MINSERVE_PORT", "api_key": "MINSERVE_API_KEY",
