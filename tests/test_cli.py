@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -112,7 +113,7 @@ def test_threads_come_from_the_flag_or_minserve_threads_and_bad_values_say_so():
 
     import torch
 
-    from minserve.server.cli import add_threads_argument, apply_threads
+    from minserve.server.cli import add_threads_argument, apply_threads, serving_threads
 
     p = argparse.ArgumentParser()
     add_threads_argument(p)
@@ -124,6 +125,8 @@ def test_threads_come_from_the_flag_or_minserve_threads_and_bad_values_say_so():
         assert apply_threads(p.parse_args(["--threads", "2"]), {"MINSERVE_THREADS": "1"}) == 2
         with pytest.raises(ValueError, match="MINSERVE_THREADS"):
             apply_threads(p.parse_args([]), {"MINSERVE_THREADS": "many"})
+        cores = len(os.sched_getaffinity(0))
+        assert serving_threads() == max(1, cores - 1)  # the server leaves one core to HTTP
     finally:
         torch.set_num_threads(before)
 

@@ -181,14 +181,17 @@ class CompactLlama:
 class Linear:
     """`x (N, in) -> x @ W.T + b (N, out)`, what `F.linear` computes, with W prepacked once.
 
-    Why: at decode batch sizes PyTorch's default CPU matmul reads the weights poorly;
-    oneDNN (`torch._C._nn.mkldnn_linear`, the kernel behind `torch.utils.mkldnn`'s
-    MkldnnLinear and the path vLLM's CPU build takes) with the weight reordered once into
-    its blocked layout ran SmolLM2's linear layers 1.4-2x faster on 2 cores at batch 1-128
-    (docs/benchmarks.md, "Linear layers"). Same product, other summation order: logits
-    agree to float rounding, not bit for bit (tests/test_compact.py checks the tokens).
-    Without oneDNN (another device, a build without it) it is plain `F.linear`.
+    Why: at decode batch sizes PyTorch's default CPU matmul reads the weights poorly.
+    oneDNN with the weight reordered ONCE into its blocked layout (the op PyTorch's own
+    compiler emits for a frozen linear layer on CPU, `mkldnn._linear_pointwise`, and the
+    kind of kernel vLLM's CPU build calls) ran SmolLM2's linear layers 1.3-2x faster
+    at batch 1-64 on 2 cores (docs/benchmarks.md, "Linear layers"). Same product, another
+    summation order: logits agree to float rounding, not bit for bit (the oracle tests
+    compare tokens). Without oneDNN (a GPU, a build without it, another dtype) it is
+    plain `F.linear`.
     """
+
+    PACK_FOR_BATCH = 16  # the layout oneDNN picks for M = 16 rows served B = 1..64 best here
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight, self.bias = weight, bias  # (out, in), (out,) or None
@@ -196,15 +199,16 @@ class Linear:
         self.packed = None
         if weight.device.type == "cpu" and weight.dtype == torch.float32 \
                 and torch.backends.mkldnn.is_available():
-            self.packed = weight.detach().to_mkldnn()  # a copy in oneDNN's blocked layout
-            self.weight = None  # the packed copy is the one used: don't hold two
-            self.bias = None if bias is None else bias.detach().to_mkldnn()
+            # a copy in oneDNN's blocked layout; the plain one is then not needed here
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
+                                                                  self.PACK_FOR_BATCH)
+            self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.packed,
-                                          self.bias).to_dense()
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias,
+                                                  "none", [], "")
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

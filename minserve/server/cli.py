@@ -75,11 +75,21 @@ def engine_knobs() -> list[tuple[str, type, Any]]:
     return knobs
 
 
-def add_threads_argument(p: argparse.ArgumentParser) -> None:
+def add_threads_argument(p: argparse.ArgumentParser, default: str = "torch's, one per core"
+                         ) -> None:
     p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (env MINSERVE_THREADS; default: torch's, one "
-                        "per core). On a machine other programs keep busy, 1 is often much "
+                   help=f"torch intra-op threads (env MINSERVE_THREADS; default: {default}). "
+                        "On a machine other programs keep busy, 1 is often much "
                         "faster: see docs/benchmarks.md, 'On a busy machine'")
+
+
+def serving_threads() -> int:
+    """The server's default intra-op threads: every core it may use but one. The spare
+    core runs the HTTP side (uvicorn, tokenizing, streaming) while the model computes,
+    instead of both fighting over every core; vLLM's CPU build does the same (it
+    reserves one core for its front end and runs the model on the rest)."""
+    return max(1, len(os.sched_getaffinity(0)) - 1) if hasattr(os, "sched_getaffinity") \
+        else max(1, (os.cpu_count() or 1) - 1)
 
 
 def apply_threads(args: argparse.Namespace, env: dict[str, str] | None = None) -> int | None:
@@ -102,7 +112,7 @@ def apply_threads(args: argparse.Namespace, env: dict[str, str] | None = None) -
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     srv = p.add_argument_group("server")
-    add_threads_argument(srv)
+    add_threads_argument(srv, "every core but one, left to the HTTP side")
     srv.add_argument("--host", default=None,
                      help="bind address (env MINSERVE_HOST; default 127.0.0.1, loopback only)")
     srv.add_argument("--port", type=int, default=None,
@@ -235,7 +245,10 @@ def serve(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args, defaults=SERVING_DEFAULTS)
         settings = server_settings(args)
         limits = limits_from_args(args)
-        apply_threads(args)
+        if apply_threads(args) is None:
+            import torch
+
+            torch.set_num_threads(serving_threads())
         api_keys = None
         if settings["api_keys_file"]:
             from .access import load_api_keys
