@@ -89,9 +89,8 @@ class Engine:
 
             storage = KVBlockStorage.for_model(model, num_blocks, bs)
         if config.backend == "paged":
-            from .backends.paged import PagedBackend
-
             from .backends.compact import CompactLlama, unsupported_reasons
+            from .backends.paged import PagedBackend
 
             runner = None  # model_runner="hf": the HF model's own forward
             if config.model_runner == "compact" or (  # "compact" refuses a model it cannot run

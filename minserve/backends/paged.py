@@ -125,7 +125,7 @@ class PagedForward:
         # past a row's last block, block 0: real memory, masked below.
         need = -(-max(ends) // S) - P  # blocks covering the longest row, after the prefix
         tables = torch.zeros(B, need, dtype=torch.long)  # (B, need)
-        for b, ((table, _, _), n) in enumerate(zip(rows, ends)):
+        for b, (table, _, _) in enumerate(rows):
             k = min(len(table), P + need) - P
             tables[b, :k] = torch.tensor(table[P:P + k], dtype=torch.long)
         # Keys are read a whole block at a time (`read_blocks`): L_pad = need * S columns,
