@@ -96,6 +96,21 @@ def session_cap_hold(session: str, rows: int, cap: int | None) -> Rejection | No
     return None
 
 
+def tenant_share_hold(held: int, need: int, budget: int, share: float) -> Rejection | None:
+    """Not a gate either: the request's tenant already reserves `held` of the `share` of
+    the G2 budget one tenant may hold, so another tenant's request goes first (soft;
+    `max_tenant_kv_share`, H5). A tenant holding nothing is never held: a request always
+    fits under its own `max_request_kv_share`."""
+    limit = int(share * budget)
+    if held and held + need > limit:
+        return Rejection(gate="G2", reason="tenant_share", hard=False,
+                         message=f"its tenant's rows reserve {held} of the {limit} KV "
+                                 f"tokens one tenant may hold (max_tenant_kv_share="
+                                 f"{share:g}); other tenants go first",
+                         numbers={"tenant_reserved": held, "need": need, "tenant_limit": limit})
+    return None
+
+
 def batch_slot_hold(rows: int, max_batch_size: int) -> Rejection | None:
     """Not a gate of its own: every batch row is taken, so the head waits (soft)."""
     if rows >= max_batch_size:

@@ -43,7 +43,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from . import gates
+from . import gates, records
 from .admission import MODES
 from .backends.base import Backend
 from .config import EngineConfig, PrefillMode
@@ -147,7 +147,7 @@ class Scheduler:
         """Close a tick whose phases ran (by `step`, or one by one in step mode): count
         it and return its record."""
         self.tick_count += 1
-        rec = self.snapshot_record(admit, prefill, evict, decode, duration_s, tick=self.tick_count)
+        rec = records.snapshot(self, admit, prefill, evict, decode, duration_s, tick=self.tick_count)
         rec.forwards, self.forwards = self.forwards, []
         return rec
 
@@ -235,15 +235,10 @@ class Scheduler:
         share = self.config.max_tenant_kv_share
         if req.tenant is not None and share < 1:
             held = sum(r.reserved_tokens for r in running if r.tenant == req.tenant)
-            limit = int(share * self.kv_budget_tokens)
-            need = self.admission.need(req)
-            if held and held + need > limit:
-                return Rejection(gate="G2", reason="tenant_share", hard=False,
-                                 message=f"its tenant's rows reserve {held} of the {limit} KV "
-                                         f"tokens one tenant may hold (max_tenant_kv_share="
-                                         f"{share:g}); other tenants go first",
-                                 numbers={"tenant_reserved": held, "need": need,
-                                          "tenant_limit": limit})
+            hold = self.gates.tenant_share_hold(held, self.admission.need(req),
+                                                self.kv_budget_tokens, share)
+            if hold is not None:
+                return hold
         cap = self.config.max_rows_per_session
         if cap is None:
             return None
@@ -339,15 +334,13 @@ class Scheduler:
                 self.forwards.append(sum(end - start for _, start, end in group))
             except Exception as e:
                 for req, _, _ in group:
-                    self._fail_row(req, "prefill", e)
-                    rec.failed.append({"request_id": req.request_id, "error": req.error})
+                    self._fail_row(req, "prefill", e, rec.failed)
                 continue
             for (req, start, end), row_logits in zip(group, logits):
                 try:
                     chunk = self._piece_done(req, start, end, row_logits)
                 except Exception as e:
-                    self._fail_row(req, "prefill", e)
-                    rec.failed.append({"request_id": req.request_id, "error": req.error})
+                    self._fail_row(req, "prefill", e, rec.failed)
                     continue
                 if chunk["final"]:
                     rec.promoted.append(req.request_id)
@@ -532,8 +525,7 @@ class Scheduler:
             self.forwards.append(len(rows) + sum(c["end"] - c["start"] for _, c in planned))
         except Exception as e:  # one forward for all rows: each of them failed
             for req in rows + [r for r, _ in planned]:
-                self._fail_row(req, "decode forward", e)
-                rec.failed.append({"request_id": req.request_id, "error": req.error})
+                self._fail_row(req, "decode forward", e, rec.failed)
             return
         for (req, chunk), row_logits in zip(planned, chunk_logits):
             try:  # the row's first token if this was its final piece, then promotion
@@ -542,8 +534,7 @@ class Scheduler:
                 if done["final"]:
                     self._planned_record.promoted.append(req.request_id)
             except Exception as e:
-                self._fail_row(req, "prefill", e)
-                rec.failed.append({"request_id": req.request_id, "error": req.error})
+                self._fail_row(req, "prefill", e, rec.failed)
         for req, row_logits in zip(rows, logits):
             try:
                 tok = self._append_token(req, row_logits)
@@ -617,15 +608,19 @@ class Scheduler:
         self.last_error = row_error(f"the policy's {hook}", exc)
         log.error("policy hook %s raised", hook, exc_info=exc)
 
-    def _fail_row(self, req: Request, where: str, exc: BaseException) -> None:
+    def _fail_row(self, req: Request, where: str, exc: BaseException,
+                  failed: list | None = None) -> None:
         """One running row failed (its admission, prefill piece, sampling, charge): end it
-        alone and give back what it held. The other rows keep going."""
+        alone and give back what it held (noted in a record's `failed`, if given). The
+        other rows keep going."""
         for queue in (self.prefilling, self.active):
             if any(r is req for r in queue):
                 self._release(req)
                 queue.remove(req)
         self._note_row_error(req, where, exc)
         self._finish(req, FinishReason.ERROR, error=req.error)
+        if failed is not None:
+            failed.append({"request_id": req.request_id, "error": req.error})
 
     def _note_row_error(self, req: Request, where: str, exc: BaseException) -> None:
         """Count it, keep one line for stats and the client, the traceback for the log."""
@@ -711,70 +706,10 @@ class Scheduler:
             return (not self.has_work() and self.active_kv_reserved == 0 and blocks_idle
                     and self.backend.num_rows == 0 and not self.requests)
 
-    @staticmethod
-    def card(req: Request) -> dict[str, Any]:
-        """The small per-request summary a TickRecord keeps (for queue figures)."""
-        return {"session": req.session_id, "priority": req.priority, "prompt_len": req.prompt_len,
-                "computed": req.num_computed_prompt_tokens, "cached": req.num_cached_tokens,
-                "output_len": len(req.output_token_ids), "max_tokens": req.max_tokens,
-                "status": req.status.value, "preemptions": req.num_preemptions,
-                "recompute": len(req.recompute_token_ids)}
-
-    def snapshot_record(self, admit: AdmitRecord | None = None, prefill: PrefillRecord | None = None,
-                        evict: EvictRecord | None = None, decode: DecodeRecord | None = None,
-                        duration_s: float = 0.0, tick: int | None = None) -> TickRecord:
-        """The engine *now* as a TickRecord: the phase records given so far, empty ones
-        for phases not run yet (to draw a tick half-way). `tick` defaults to the tick in
-        progress."""
-        with self.queue_lock:
-            pending, policy = list(self.policy), self.policy.stats()
-        reqs = pending + self.prefilling + self.active
-        return TickRecord(
-            tick=self.tick_count + 1 if tick is None else tick,
-            admit=admit or AdmitRecord(), prefill=prefill or PrefillRecord(),
-            evict=evict or EvictRecord(), decode=decode or DecodeRecord(),
-            queues={"pending": [r.request_id for r in pending],
-                    "prefilling": [r.request_id for r in self.prefilling],
-                    "active": [r.request_id for r in self.active]},
-            active_kv_reserved=self.active_kv_reserved, duration_s=duration_s,
-            requests={r.request_id: self.card(r) for r in reqs},
-            backend=self.backend.snapshot(), policy=policy,
-            blocks=self.block_manager.snapshot() if self.block_manager is not None else None)
-
     def stats(self) -> dict[str, Any]:
-        """SPEC G5: queues, reservation, gate counters, KV pressure, policy counters."""
-        with self.queue_lock:
-            pending, policy = len(self.policy), self.policy.stats()
-        s: dict[str, Any] = {
-            "ticks": self.tick_count,
-            "queues": {"pending": pending, "prefilling": len(self.prefilling),
-                       "active": len(self.active)},
-            "max_queue_size": self.config.max_queue_size,
-            "max_batch_size": self.config.max_batch_size,
-            "active_kv_reserved": self.active_kv_reserved,
-            "kv_budget_tokens": self.kv_budget_tokens,
-            "kv_admit_blocked": dict(self.kv_admit_blocked),
-            "rejected": dict(self.rejected),
-            "finished": self.finished_count,
-            "failed_rows": self.failed_rows,
-            "tokens_generated": self.tokens_generated,
-            "prompt_tokens_computed": self.prompt_tokens_computed,
-            "admission": self.config.admission,
-            "preemptions": self.preemptions,
-            "recomputed_tokens": self.recomputed_tokens,
-            "kv_length": self.kv_length_metric,  # read under the tick lock, by T4
-            "backend": self.backend.name,
-            "prefill_mode": self.config.prefill_mode,
-            "policy": policy,
-        }
-        if self.block_manager is not None:
-            b = self.block_manager.stats()
-            s["blocks"] = b
-            s["kv_pressure"] = b["kv_pressure"]
-        else:
-            s["kv_pressure"] = self.active_kv_reserved / self.kv_budget_tokens
-        return s
-
+        """SPEC G5: queues, reservation, gate counters, KV pressure, policy counters
+        (`records.stats`)."""
+        return records.stats(self)
 
 
 def row_error(where: str, exc: BaseException) -> str:
