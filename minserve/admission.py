@@ -21,7 +21,7 @@ Reserving prompt + max_tokens means a running row can never run out of KV, at th
 of admitting fewer rows than memory could hold (most requests stop long before
 max_tokens). Preempting admits on what the prompt needs now; when a decode step would not
 fit, a running row's KV is released and it goes back to `pending`, to be recomputed
-(prompt + the tokens so far) on re-admission (`Scheduler.preempt`).
+(prompt + the tokens so far) on re-admission (`PreemptAdmission.preempt`).
 
 Where the KV grows is the backend's to say, not a name the scheduler tests:
 `Backend.kv_grows_in_pool`. Padded: only the prompt's blocks are pooled; decode KV
@@ -29,18 +29,21 @@ lives in the backend's own tensors. Paged: decode keeps writing into the pool, s
 counts blocks for what G2 counts, net of the blocks running rows will take
 (`blocks_taken`), and preemption also watches the free blocks.
 
-A mode holds no state: each method reads the scheduler it is given, so a lab that swaps
-the scheduler's backend, block manager or gates changes what admission sees.
+A mode holds no state: each method reads (and preempt changes) the scheduler `s` it is
+given, so a lab that swaps the scheduler's backend, block manager or gates changes what
+admission sees. Preempting goes through the scheduler's own `_release` (the one
+subtractor of R1) and `_finish`, as eviction does.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
-from .request import FinishReason, Rejection, Request
+from .request import FinishReason, Rejection, Request, RequestStatus
 
 
-class Admission:
+class Admission(ABC):
     """The contract (see the module docstring). Subclasses state `name`, `per_decode`,
     `need`, `reserve`, `check_kv`, `blocks_taken`, `check_rows`; `make_room` does
     nothing unless a mode can run out."""
@@ -48,21 +51,21 @@ class Admission:
     name = "base"
     per_decode = 0  # tokens each decode step adds to a row's reservation (R1)
 
+    @abstractmethod
     def need(self, req: Request) -> int:
         """Tokens of KV the request needs to be admitted (G2; the tenant share, H5)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def reserve(self, req: Request) -> int:
         """Tokens admission adds to the request's reservation and to R1."""
-        raise NotImplementedError
 
+    @abstractmethod
     def check_kv(self, s, req: Request) -> Rejection | None:
         """G2: the scheduler's `gates.check_kv_budget`, asked this mode's numbers."""
-        raise NotImplementedError
 
+    @abstractmethod
     def blocks_taken(self, s) -> int:
         """Free blocks that running rows will take before this request could (paged)."""
-        raise NotImplementedError
 
     def check_blocks(self, s, req: Request) -> Rejection | None:
         """G3: the blocks the request needs must be free, net of `blocks_taken`. Where
@@ -83,9 +86,9 @@ class Admission:
         """Start of T4: make sure this step's new KV fits. Returns the preemptions."""
         return []
 
+    @abstractmethod
     def check_rows(self, s) -> None:
         """Assert each running row's reservation is what this mode says (R1 per row)."""
-        raise NotImplementedError
 
 
 class ReserveAdmission(Admission):
@@ -177,18 +180,62 @@ class PreemptAdmission(Admission):
                            > s.block_manager.num_free_blocks())
             if not (over_budget or over_blocks):
                 break
-            running = s.prefilling + s.active
-            with s.queue_lock:
-                try:
-                    victim = s.policy.choose_victim(running)
-                except Exception as e:  # fall back to the latest arrival, FCFS's victim
-                    s._note_hook_error("choose_victim", e)
-                    victim = max(running, key=lambda r: r.arrival_seq)
             why = (f"kv_budget: {s.active_kv_reserved} reserved + {len(s.active)} new tokens "
                    f"> {s.kv_budget_tokens}" if over_budget else
                    f"block_pool: {s.block_manager.num_free_blocks()} free blocks")
-            out.append(s.preempt(victim, why))
+            out.append(self.preempt(s, self.victim(s), why))
         return out
+
+    @staticmethod
+    def victim(s) -> Request:
+        """The running row to preempt: the policy's `choose_victim` (lowest priority, then
+        latest arrival); if that hook raises, FCFS's choice, the latest arrival."""
+        running = s.prefilling + s.active
+        with s.queue_lock:
+            try:
+                return s.policy.choose_victim(running)
+            except Exception as e:
+                s._note_hook_error("choose_victim", e)
+                return max(running, key=lambda r: r.arrival_seq)
+
+    @staticmethod
+    def preempt(s, req: Request, why: str) -> dict[str, Any]:
+        """Send a running row back to `pending`. Its reservation and blocks go back
+        through `s._release`, the same single subtractor as eviction (R1); the policy
+        re-queues it (`on_request_preempted`: FCFS by its old key, the fair policy with
+        its counter kept). On re-admission it prefills prompt + the tokens it has produced
+        so far (`prefill_token_ids`), then samples its next token: the client's stream
+        goes on. Returns what the decode record lists."""
+        queue = s.prefilling if any(r is req for r in s.prefilling) else s.active
+        held = (req.num_computed_prompt_tokens if queue is s.prefilling
+                else req.num_tokens - 1)  # KV it holds: all but the token not yet fed
+        bm = s.block_manager
+        blocks = len(bm.block_table(req.request_id)) if bm is not None else 0
+        if bm is not None and s.backend.kv_grows_in_pool and queue is s.active:
+            # its decoded tokens' full blocks become cache entries, so re-admission
+            # may find them instead of recomputing (the KV is in the pool)
+            bm.mark_computed(req.request_id, req.prompt_token_ids + req.output_token_ids, held)
+        released = s._release(req)
+        queue.remove(req)
+        req.kv_high_water = max(req.kv_high_water, held)
+        req.recompute_token_ids = list(req.output_token_ids)
+        req.num_computed_prompt_tokens = req.num_cached_tokens = 0
+        req.num_preemptions += 1
+        s.preemptions += 1
+        req.status = RequestStatus.PENDING
+        with s.queue_lock:
+            req.policy_running = False
+            try:
+                s.policy.on_request_preempted(req)
+            except Exception as e:  # it is in no queue now: end it rather than lose it
+                if any(r is req for r in s.policy):
+                    s.policy.remove(req)
+                s._note_row_error(req, "on_request_preempted", e)
+                s._finish(req, FinishReason.ERROR, error=req.error)
+        return {"request_id": req.request_id, "from_queue": "prefilling" if queue is
+                s.prefilling else "active", "released_tokens": released,
+                "released_blocks": blocks, "tokens_so_far": len(req.output_token_ids),
+                "why": why}
 
     def check_rows(self, s) -> None:
         """The KV each row holds after its last forward, within the budget."""

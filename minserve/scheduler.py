@@ -422,55 +422,6 @@ class Scheduler:
         self.backend.remove_row(req)
         return released
 
-    def choose_victim(self) -> Request:
-        """The running row to preempt (P6): the policy's `choose_victim`; if that hook
-        raises, FCFS's choice, the latest arrival."""
-        running = self.prefilling + self.active
-        with self.queue_lock:
-            try:
-                return self.policy.choose_victim(running)
-            except Exception as e:
-                self._note_hook_error("choose_victim", e)
-                return max(running, key=lambda r: r.arrival_seq)
-
-    def preempt(self, req: Request, why: str) -> dict[str, Any]:
-        """Send a running row back to `pending` (P6; `admission.make_room` calls it). Its
-        reservation and blocks go back through `_release`, the same single subtractor
-        as eviction (R1); the policy re-queues it (`on_request_preempted`: FCFS by its
-        old key, the fair policy with its counter kept). On re-admission it prefills
-        prompt + the tokens it has produced so far, then samples its next token: the
-        client's stream goes on."""
-        queue = self.prefilling if any(r is req for r in self.prefilling) else self.active
-        held = (req.num_computed_prompt_tokens if queue is self.prefilling
-                else req.num_tokens - 1)  # KV it holds: all but the token not yet fed
-        bm = self.block_manager
-        blocks = len(bm.block_table(req.request_id)) if bm is not None else 0
-        if bm is not None and self.backend.kv_grows_in_pool and queue is self.active:
-            # its decoded tokens' full blocks become cache entries, so re-admission
-            # may find them instead of recomputing (the KV is in the pool)
-            bm.mark_computed(req.request_id, req.prompt_token_ids + req.output_token_ids, held)
-        released = self._release(req)
-        queue.remove(req)
-        req.kv_high_water = max(req.kv_high_water, held)
-        req.recompute_token_ids = list(req.output_token_ids)
-        req.num_computed_prompt_tokens = req.num_cached_tokens = 0
-        req.num_preemptions += 1
-        self.preemptions += 1
-        req.status = RequestStatus.PENDING
-        with self.queue_lock:
-            req.policy_running = False
-            try:
-                self.policy.on_request_preempted(req)
-            except Exception as e:  # it is in no queue now: end it rather than lose it
-                if any(r is req for r in self.policy):
-                    self.policy.remove(req)
-                self._note_row_error(req, "on_request_preempted", e)
-                self._finish(req, FinishReason.ERROR, error=req.error)
-        return {"request_id": req.request_id, "from_queue": "prefilling" if queue is
-                self.prefilling else "active", "released_tokens": released,
-                "released_blocks": blocks, "tokens_so_far": len(req.output_token_ids),
-                "why": why}
-
     # ---------------------------------------------------------------- T4
     def decode_step(self) -> DecodeRecord:
         """T4: one batched forward for all active rows; one new token each,
