@@ -15,7 +15,7 @@ max_tokens` up front means an admitted request can always finish; without it,
 the engine must preempt: admit on what the prompt needs now, and when memory runs
 out, drop a running request's KV and recompute it later. minserve builds both
 (`EngineConfig.admission`, "reserve" by default, "preempt"; P6): the gates are
-the same functions, asked about a different `need`.
+the same functions, asked about a different `need` (admission.py states each mode's).
 
 Pure functions: the scheduler owns the numbers and the counters.
 """
@@ -65,8 +65,8 @@ def check_block_pool(blocks_needed: int, free_blocks: int, prompt_blocks: int,
 
     What a request needs from the pool is its prompt's blocks; with the paged
     backend, whose KV grows into the pool while decoding, prompt + max_tokens
-    (the scheduler decides, and passes `free_blocks` net of blocks promised to
-    running rows).
+    (the admission mode decides, `Admission.check_blocks`, and passes `free_blocks`
+    net of blocks promised to running rows).
 
     prompt_blocks > num_blocks  -> hard: the request alone is bigger than the pool.
     blocks_needed > free_blocks -> soft: wait for blocks to be released.
