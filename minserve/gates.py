@@ -15,7 +15,7 @@ max_tokens` up front means an admitted request can always finish; without it,
 the engine must preempt: admit on what the prompt needs now, and when memory runs
 out, drop a running request's KV and recompute it later. minserve builds both
 (`EngineConfig.admission`, "reserve" by default, "preempt"; P6): the gates are
-the same functions, asked about a different `need`.
+the same functions, asked about a different `need` (admission.py states each mode's).
 
 Pure functions: the scheduler owns the numbers and the counters.
 """
@@ -65,8 +65,8 @@ def check_block_pool(blocks_needed: int, free_blocks: int, prompt_blocks: int,
 
     What a request needs from the pool is its prompt's blocks; with the paged
     backend, whose KV grows into the pool while decoding, prompt + max_tokens
-    (the scheduler decides, and passes `free_blocks` net of blocks promised to
-    running rows).
+    (the admission mode decides, `Admission.check_blocks`, and passes `free_blocks`
+    net of blocks promised to running rows).
 
     prompt_blocks > num_blocks  -> hard: the request alone is bigger than the pool.
     blocks_needed > free_blocks -> soft: wait for blocks to be released.
@@ -93,6 +93,21 @@ def session_cap_hold(session: str, rows: int, cap: int | None) -> Rejection | No
                          message=f"its session already holds {rows} batch rows, its "
                                  f"cap; other sessions go first",
                          numbers={"session_rows": rows, "max_rows_per_session": cap})
+    return None
+
+
+def tenant_share_hold(held: int, need: int, budget: int, share: float) -> Rejection | None:
+    """Not a gate either: the request's tenant already reserves `held` of the `share` of
+    the G2 budget one tenant may hold, so another tenant's request goes first (soft;
+    `max_tenant_kv_share`, H5). A tenant holding nothing is never held: a request always
+    fits under its own `max_request_kv_share`."""
+    limit = int(share * budget)
+    if held and held + need > limit:
+        return Rejection(gate="G2", reason="tenant_share", hard=False,
+                         message=f"its tenant's rows reserve {held} of the {limit} KV "
+                                 f"tokens one tenant may hold (max_tenant_kv_share="
+                                 f"{share:g}); other tenants go first",
+                         numbers={"tenant_reserved": held, "need": need, "tenant_limit": limit})
     return None
 
 

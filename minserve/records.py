@@ -3,7 +3,9 @@
 Every phase method returns one of these records. They are the single source
 for stats, traces, figures and replay: a figure is drawn from records, never
 from the scheduler's private state, so a saved trace can be replayed without a
-model. Everything here is JSON-friendly (`to_dict`).
+model. Everything here is JSON-friendly (`to_dict`). `snapshot(scheduler)` is the
+engine *now* as a TickRecord (what `end_tick` returns, and a tick drawn half-way), and
+`stats(scheduler)` its counters (G5): both read a scheduler, change nothing.
 """
 
 from __future__ import annotations
@@ -76,3 +78,70 @@ class TickRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# ================================================================ the scheduler as data
+def card(req) -> dict[str, Any]:
+    """The small per-request summary a TickRecord keeps (for queue figures)."""
+    return {"session": req.session_id, "priority": req.priority, "prompt_len": req.prompt_len,
+            "computed": req.num_computed_prompt_tokens, "cached": req.num_cached_tokens,
+            "output_len": len(req.output_token_ids), "max_tokens": req.max_tokens,
+            "status": req.status.value, "preemptions": req.num_preemptions,
+            "recompute": len(req.recompute_token_ids)}
+
+
+def snapshot(s, admit: AdmitRecord | None = None, prefill: PrefillRecord | None = None,
+             evict: EvictRecord | None = None, decode: DecodeRecord | None = None,
+             duration_s: float = 0.0, tick: int | None = None) -> TickRecord:
+    """The engine *now* as a TickRecord: the phase records given so far, empty ones
+    for phases not run yet (to draw a tick half-way). `tick` defaults to the tick in
+    progress."""
+    with s.queue_lock:
+        pending, policy = list(s.policy), s.policy.stats()
+    reqs = pending + s.prefilling + s.active
+    return TickRecord(
+        tick=s.tick_count + 1 if tick is None else tick,
+        admit=admit or AdmitRecord(), prefill=prefill or PrefillRecord(),
+        evict=evict or EvictRecord(), decode=decode or DecodeRecord(),
+        queues={"pending": [r.request_id for r in pending],
+                "prefilling": [r.request_id for r in s.prefilling],
+                "active": [r.request_id for r in s.active]},
+        active_kv_reserved=s.active_kv_reserved, duration_s=duration_s,
+        requests={r.request_id: card(r) for r in reqs},
+        backend=s.backend.snapshot(), policy=policy,
+        blocks=s.block_manager.snapshot() if s.block_manager is not None else None)
+
+
+def stats(s) -> dict[str, Any]:
+    """SPEC G5: queues, reservation, gate counters, KV pressure, policy counters."""
+    with s.queue_lock:
+        pending, policy = len(s.policy), s.policy.stats()
+    out: dict[str, Any] = {
+        "ticks": s.tick_count,
+        "queues": {"pending": pending, "prefilling": len(s.prefilling),
+                   "active": len(s.active)},
+        "max_queue_size": s.config.max_queue_size,
+        "max_batch_size": s.config.max_batch_size,
+        "active_kv_reserved": s.active_kv_reserved,
+        "kv_budget_tokens": s.kv_budget_tokens,
+        "kv_admit_blocked": dict(s.kv_admit_blocked),
+        "rejected": dict(s.rejected),
+        "finished": s.finished_count,
+        "failed_rows": s.failed_rows,
+        "tokens_generated": s.tokens_generated,
+        "prompt_tokens_computed": s.prompt_tokens_computed,
+        "admission": s.config.admission,
+        "preemptions": s.preemptions,
+        "recomputed_tokens": s.recomputed_tokens,
+        "kv_length": s.kv_length_metric,  # read under the tick lock, by T4
+        "backend": s.backend.name,
+        "prefill_mode": s.config.prefill_mode,
+        "policy": policy,
+    }
+    if s.block_manager is not None:
+        b = s.block_manager.stats()
+        out["blocks"] = b
+        out["kv_pressure"] = b["kv_pressure"]
+    else:
+        out["kv_pressure"] = s.active_kv_reserved / s.kv_budget_tokens
+    return out

@@ -19,26 +19,20 @@ Each phase is a public method that returns a record of what it did
 `self.lock` for a whole tick; `submit` and `cancel` only take the small
 `queue_lock`, so a client is answered at once even while a long prefill runs.
 
+Three choices are objects the scheduler is given, each readable on its own:
+
+    who runs next           self.policy      policies.py, fair.py  (P)
+    how much KV it takes    self.admission   admission.py: reserve or preempt (R1, P6)
+    where its KV grows      self.backend     backends/: `kv_grows_in_pool` (B1)
+
 The load-bearing invariant (R1):
 
     active_kv_reserved == sum(r.reserved_tokens for r in prefilling + active)
-    admission="reserve" (default): r.reserved_tokens == prompt_len + max_tokens
-    admission="preempt":           r.reserved_tokens == the KV the row holds after its
-                                   next forward (its prefill tokens; then +1 per decode)
 
-Admit adds a request's reservation (preempt: decode grows it by one token per
-step); `_release` is the one subtractor: eviction (finish, cancel, error) and
+`_admit` adds `admission.reserve(req)`; a decode step adds `admission.per_decode`
+per row; `_release` is the one subtractor: eviction (finish, cancel, error) and
 preemption both go through it. `check_invariants()` verifies R1 and that every
 request sits in exactly one queue; the tests call it after every phase.
-
-Reserve or preempt (P6). Reserving prompt + max_tokens at admission means a
-running row can never run out of KV, at the price of admitting fewer rows than
-memory could hold (most requests stop long before max_tokens). "preempt" admits
-on what the prompt needs now; when a decode step would run out of KV (the G2
-budget, or free blocks on the paged backend), `_make_room` preempts running rows
-chosen by the policy (lowest priority, latest arrival): their KV is released, they
-go back to `pending`, and on re-admission the prompt *and* the tokens produced so
-far are recomputed (prefix-cache hits welcome); the stream just continues.
 """
 
 from __future__ import annotations
@@ -49,7 +43,8 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from . import gates
+from . import gates, records
+from .admission import MODES
 from .backends.base import Backend
 from .config import EngineConfig, PrefillMode
 from .explain import finished_summary
@@ -60,6 +55,8 @@ from .sampling import Sampler
 
 log = logging.getLogger("minserve")
 
+Piece = tuple[Request, int, int]  # one row's prompt[start:end] for this tick's prefill
+
 
 class Scheduler:
     RECENT = 1024  # finished requests `explain` still knows about
@@ -68,6 +65,7 @@ class Scheduler:
         self.config = config
         self.backend = backend
         self.policy = policy  # IS the pending queue (Q1)
+        self.admission = MODES[config.admission]()  # reserve or preempt (admission.py)
         self.block_manager = block_manager  # KV blocks + prefix cache (kv_cache.py), or None
         self.kv_budget_tokens = kv_budget_tokens
         self.sampler = Sampler()
@@ -149,7 +147,7 @@ class Scheduler:
         """Close a tick whose phases ran (by `step`, or one by one in step mode): count
         it and return its record."""
         self.tick_count += 1
-        rec = self.snapshot_record(admit, prefill, evict, decode, duration_s, tick=self.tick_count)
+        rec = records.snapshot(self, admit, prefill, evict, decode, duration_s, tick=self.tick_count)
         rec.forwards, self.forwards = self.forwards, []
         return rec
 
@@ -157,14 +155,13 @@ class Scheduler:
     def admit_pending(self) -> AdmitRecord:
         """T1: move requests from `pending` to `prefilling` while the gates allow.
 
-        Peek the policy's head; check a batch row is free, then G2 (KV
-        reservation) and G3 (block pool). With `max_rows_per_session`, a head
-        whose session already holds that many rows lets the first waiting
-        request of another session go ahead of it. Pass -> pick it, reserve
-        its KV (R1: prompt_len + max_tokens; preempt: its prefill tokens),
-        allocate its blocks (cached prefix reused, K2) and open its staging row. Soft hold -> stop; the head keeps
-        its place (G4). Hard reject -> finish it with the gate's reason (G6) and
-        look at the next one.
+        Peek the policy's head; check a batch row is free, then G2 (KV) and G3 (block
+        pool), with the numbers `self.admission` states. With `max_rows_per_session`, a
+        head whose session already holds that many rows lets the first waiting request
+        of another session go ahead of it. Pass -> pick it, reserve its KV
+        (`admission.reserve`, R1), allocate its blocks (cached prefix reused, K2) and
+        open its staging row. Soft hold -> stop; the head keeps its place (G4). Hard
+        reject -> finish it with the gate's reason (G6) and look at the next one.
 
         After: R1 holds; every admitted request is PREFILLING with
         num_computed_prompt_tokens == num_cached_tokens.
@@ -215,55 +212,13 @@ class Scheduler:
                     rec.failed.append({"request_id": req.request_id, "error": req.error})
         return rec
 
-    def _policy_call(self, method: str):
-        """A policy hook whose failure touches no running row (peek): note it and answer
-        None, so this tick admits nothing and every running row goes on (issue 23)."""
-        try:
-            return getattr(self.policy, method)()
-        except Exception as e:
-            self._note_hook_error(method, e)
-            return None
-
-    def _note_hook_error(self, hook: str, exc: BaseException) -> None:
-        self.hook_errors += 1
-        self.last_error = row_error(f"the policy's {hook}", exc)
-        log.error("policy hook %s raised", hook, exc_info=exc)
-
     def _run_gates(self, req: Request) -> Rejection | None:
         """The head's verdict: a hard reject first (it can never fit: refuse it at once,
         never hold it behind a full batch or another gate's soft hold, G4), then the
-        soft holds: G2's reservation, a batch row, G3's free blocks.
-
-        Hard, in both admission modes: prompt + max_tokens does not fit the whole
-        budget (or pool), so the request could not finish even alone. Soft:
-        reserve: prompt + max_tokens must fit next to what running rows reserved.
-        preempt: only its prefill tokens + its first decode token, next to what
-        running rows hold plus the token each of them writes in the next decode
-        (so admitting it never forces a preemption in the same tick)."""
-        preempt = self.preempting
-        need = req.prefill_len + 1 if preempt else req.kv_need
-        reserved = self.active_kv_reserved + (self._decode_growth() if preempt else 0)
-        # (`whole` only when preempting: a lab's student gate takes the three numbers)
-        g2 = self.gates.check_kv_budget(need, reserved, self.kv_budget_tokens,
-                                        **({"whole": req.kv_need} if preempt else {}))
-        g3 = None
-        if self.block_manager is not None:
-            bm = self.block_manager
-            # The paged backend's KV keeps growing into the pool while it decodes, so
-            # there G3 counts blocks for prompt + max_tokens, and the blocks already
-            # promised to running rows are not free: decode can never run out of
-            # blocks mid-flight (reserve). Under preempt: blocks for what it needs now,
-            # and the blocks running rows take in the next decode are not free. The
-            # padded backend's decode KV lives outside the pool; only its prompt
-            # (prefill) blocks are pooled.
-            grows = self._kv_grows_in_pool
-            tokens = (need if preempt else req.kv_need) if grows else req.prefill_len
-            whole = req.kv_need if grows else req.prompt_len
-            taken = self._decode_growth_blocks() if preempt else self._promised_blocks()
-            g3 = self.gates.check_block_pool(
-                blocks_needed=bm.blocks_needed(req.prefill_token_ids, tokens, salt=req.tenant),
-                free_blocks=bm.num_free_blocks() - taken,
-                prompt_blocks=bm.num_blocks_for(whole), num_blocks=bm.num_blocks)
+        soft holds: G2's KV, a batch row, G3's free blocks. What G2 and G3 ask for is
+        the admission mode's (`admission.check_kv`, `admission.check_blocks`)."""
+        g2 = self.admission.check_kv(self, req)
+        g3 = self.admission.check_blocks(self, req) if self.block_manager is not None else None
         for r in (g2, g3):
             if r is not None and r.hard:
                 return r
@@ -280,61 +235,21 @@ class Scheduler:
         share = self.config.max_tenant_kv_share
         if req.tenant is not None and share < 1:
             held = sum(r.reserved_tokens for r in running if r.tenant == req.tenant)
-            limit = int(share * self.kv_budget_tokens)
-            need = req.prefill_len + 1 if self.preempting else req.kv_need
-            if held and held + need > limit:
-                return Rejection(gate="G2", reason="tenant_share", hard=False,
-                                 message=f"its tenant's rows reserve {held} of the {limit} KV "
-                                         f"tokens one tenant may hold (max_tenant_kv_share="
-                                         f"{share:g}); other tenants go first",
-                                 numbers={"tenant_reserved": held, "need": need,
-                                          "tenant_limit": limit})
+            hold = self.gates.tenant_share_hold(held, self.admission.need(req),
+                                                self.kv_budget_tokens, share)
+            if hold is not None:
+                return hold
         cap = self.config.max_rows_per_session
         if cap is None:
             return None
         rows = sum(r.session_id == req.session_id for r in running)
         return self.gates.session_cap_hold(req.session_id, rows, cap)
 
-    @property
-    def _kv_grows_in_pool(self) -> bool:
-        return self.backend.name == "paged"
-
-    @property
-    def preempting(self) -> bool:
-        return self.config.admission == "preempt"
-
-    def _decode_growth(self) -> int:
-        """Tokens of KV the next decode adds (preempt): one per row that will decode,
-        the active rows and those that may be promoted by then."""
-        return len(self.active) + len(self.prefilling)
-
-    def _decode_growth_blocks(self, include_prefilling: bool = True) -> int:
-        """Blocks the next decode takes from the pool (paged, preempt): a row whose next
-        token starts a new block needs one (and rows still prefilling, which may decode
-        by then, unless `include_prefilling` is False)."""
-        if not self._kv_grows_in_pool:
-            return 0
-        bm = self.block_manager
-        n = sum(bm.num_blocks_for(r.num_tokens) > len(bm.block_table(r.request_id))
-                for r in self.active)
-        if include_prefilling:
-            n += sum(bm.num_blocks_for(r.prefill_len + 1) > bm.num_blocks_for(r.prefill_len)
-                     for r in self.prefilling)
-        return n
-
-    def _promised_blocks(self) -> int:
-        """Blocks that running rows will still take as they decode (paged backend)."""
-        if not self._kv_grows_in_pool:
-            return 0
-        bm = self.block_manager
-        return sum(bm.num_blocks_for(r.kv_need) - len(bm.block_table(r.request_id))
-                   for r in self.prefilling + self.active)
-
     def _admit(self, req: Request) -> bool:
         """Reserve, allocate, open the staging row. All or nothing: if any step raises,
         what was taken is given back and the request fails alone (returns False)."""
         req.status = RequestStatus.PREFILLING
-        req.reserved_tokens = req.prefill_len if self.preempting else req.kv_need
+        req.reserved_tokens = self.admission.reserve(req)
         self.active_kv_reserved += req.reserved_tokens  # R1: admit adds
         req.timing.admitted = time.perf_counter()
         self.prefilling.append(req)  # first, so that a failure below is released like any row
@@ -351,55 +266,49 @@ class Scheduler:
 
     # ---------------------------------------------------------------- T2
     def advance_prefill_chunk(self) -> PrefillRecord:
-        """T2: push prompt tokens of `prefilling` rows through the model.
+        """T2: push prompt tokens of `prefilling` rows through the model. Plan, then run.
 
-        monolithic: every prefilling row's whole remaining prompt.
-        chunked (Version A, SPEC C1): *every* prefilling row pushes its next
-        `prefill_chunk_size` prompt tokens.
-        Both: all the tick's pieces go through ONE forward (`prefill_together`; the
-        paged backend flattens them, the padded one left-pads them side by side),
-        beside the decode forward. So a giant
-        prompt never freezes the decode batch for more than one chunk, and never
-        holds back a short prompt admitted after it: each row's prefill takes
-        ceil(remaining / chunk) ticks whoever else is prefilling. A tick's prompt
-        work is at most (rows prefilling) x chunk, and rows are at most
-        `max_batch_size` (Q3).
+        Plan (`_plan_prefill`): each prefilling row's piece for this tick, `next_chunk`:
+        monolithic, its whole remaining prompt; chunked (Version A, SPEC C1) and
+        mixed_batch, its next `prefill_chunk_size` tokens. So a giant prompt never
+        freezes the decode batch for more than one chunk, and never holds back a short
+        prompt admitted after it: each row's prefill takes ceil(remaining / chunk) ticks
+        whoever else is prefilling. A tick's prompt work is at most (rows prefilling) x
+        chunk, and rows are at most `max_batch_size` (Q3).
 
-        mixed_batch (Version B): the same chunk per row, but only *planned* here:
-        T4 runs them in the decode forward, one forward per tick in all. Their
-        records (`in_decode_forward`) get `first_token` when T4 has run.
+        Run (`_run_pieces`): monolithic and chunked push all the pieces through ONE
+        forward (`prefill_together`; paged: flattened, padded: left-padded side by
+        side), beside the decode forward. mixed_batch (Version B) runs nothing here: T4
+        carries the planned pieces in the decode forward, one forward per tick in all;
+        their records (`in_decode_forward`) get `first_token` when T4 has run.
 
-        On a row's final chunk: register its now-computed blocks (K3), sample
-        its first token, stream it, and promote it through `_promote_to_decode`.
-        After (monolithic, chunked): rows in `prefilling` have 0 < remaining
-        prompt tokens.
+        On a row's final piece: register its now-computed blocks (K3), sample its first
+        token, stream it, and promote it through `_promote_to_decode`.
+        After (monolithic, chunked): rows in `prefilling` have 0 < remaining prompt tokens.
         """
         rec = PrefillRecord()
-        mode = self.config.prefill
-        chunk_size = self.config.prefill_chunk_size or None  # None: the whole rest at once
-        if mode is PrefillMode.MONOLITHIC:
-            chunk_size = None
         with self.lock:
             self._planned, self._planned_record = [], rec
-            pieces = []
-            for req in list(self.prefilling):
-                if req.cancel_requested:
-                    continue  # T3 evicts it
-                start, end = self.next_chunk(req, chunk_size)
-                if mode is PrefillMode.MIXED_BATCH:  # T4 runs it, in the decode forward
-                    chunk = {"request_id": req.request_id, "start": start, "end": end,
-                             "final": end == req.prefill_len, "first_token": None,
-                             "in_decode_forward": True}
-                    self._planned.append((req, chunk))
-                    rec.chunks.append(chunk)
-                    continue
-                pieces.append((req, start, end))
-            if len(pieces) > 1 and self.backend.supports_batched_prefill:
-                self._prefill_together(pieces, rec)  # one forward for all the pieces
-                pieces = []
-            for req, start, end in pieces:  # one forward per piece
-                self._record_piece(rec, req, self._prefill_piece, start, end)
+            pieces = self._plan_prefill()
+            if self.config.prefill is not PrefillMode.MIXED_BATCH:
+                self._run_pieces(pieces, rec)
+                return rec
+            for req, start, end in pieces:  # T4 runs them, in the decode forward
+                chunk = {"request_id": req.request_id, "start": start, "end": end,
+                         "final": end == req.prefill_len, "first_token": None,
+                         "in_decode_forward": True}
+                self._planned.append((req, chunk))
+                rec.chunks.append(chunk)
         return rec
+
+    def _plan_prefill(self) -> list[Piece]:
+        """This tick's piece of every prefilling row, in admission order (a cancelled row
+        gets none: T3 evicts it)."""
+        size = self.config.prefill_chunk_size or None  # None: the whole rest at once
+        if self.config.prefill is PrefillMode.MONOLITHIC:
+            size = None
+        return [(req, *self.next_chunk(req, size))
+                for req in list(self.prefilling) if not req.cancel_requested]
 
     @staticmethod
     def next_chunk(req: Request, chunk_size: int | None) -> tuple[int, int]:
@@ -411,40 +320,31 @@ class Scheduler:
         end = req.prefill_len if chunk_size is None else min(req.prefill_len, start + chunk_size)
         return start, end
 
-    def _record_piece(self, rec: PrefillRecord, req: Request, run, *args) -> None:
-        """`run(req, *args)` pushes one row's piece (and returns its chunk record): record
-        it, and the promotion if it was the final piece. If it raises, the row fails alone."""
-        try:
-            chunk = run(req, *args)
-        except Exception as e:
-            self._fail_row(req, "prefill", e)
-            rec.failed.append({"request_id": req.request_id, "error": req.error})
-            return
-        if chunk["final"]:
-            rec.promoted.append(req.request_id)
-        rec.chunks.append(chunk)
-
-    def _prefill_together(self, pieces: list[tuple[Request, int, int]],
-                          rec: PrefillRecord) -> None:
-        """Several rows' pieces in ONE forward (paged: flattened; padded: left-padded
-        side by side). If it raises, each of its rows fails, as in decode."""
-        try:
-            logits = self.backend.prefill_together(pieces)
-            self.forwards.append(sum(end - start for _, start, end in pieces))
-        except Exception as e:
-            for req, _, _ in pieces:
-                self._fail_row(req, "prefill", e)
-                rec.failed.append({"request_id": req.request_id, "error": req.error})
-            return
-        for (req, start, end), row_logits in zip(pieces, logits):
-            self._record_piece(rec, req, self._piece_done, start, end, row_logits)
-
-    def _prefill_piece(self, req: Request, start: int, end: int) -> dict[str, Any]:
-        """prompt[start:end] through the model; on the final piece, the first token and
-        the promotion to decode."""
-        logits = self.backend.prefill_chunk(req, start, end)
-        self.forwards.append(end - start)
-        return self._piece_done(req, start, end, logits)
+    def _run_pieces(self, pieces: list[Piece], rec: PrefillRecord) -> None:
+        """Push the pieces through the model: in ONE forward when there are several and
+        the backend can (`prefill_together`), else one forward per piece. A forward that
+        raises fails its rows; a row whose completion raises fails alone."""
+        together = len(pieces) > 1 and self.backend.supports_batched_prefill
+        for group in [pieces] if together else [[p] for p in pieces]:
+            try:
+                if together:
+                    logits = self.backend.prefill_together(group)
+                else:
+                    logits = [self.backend.prefill_chunk(*group[0])]
+                self.forwards.append(sum(end - start for _, start, end in group))
+            except Exception as e:
+                for req, _, _ in group:
+                    self._fail_row(req, "prefill", e, rec.failed)
+                continue
+            for (req, start, end), row_logits in zip(group, logits):
+                try:
+                    chunk = self._piece_done(req, start, end, row_logits)
+                except Exception as e:
+                    self._fail_row(req, "prefill", e, rec.failed)
+                    continue
+                if chunk["final"]:
+                    rec.promoted.append(req.request_id)
+                rec.chunks.append(chunk)
 
     def _piece_done(self, req: Request, start: int, end: int, logits) -> dict[str, Any]:
         """After prompt[start:end] went through the model (its own forward, or the mixed
@@ -522,30 +422,16 @@ class Scheduler:
         self.backend.remove_row(req)
         return released
 
-    def _fail_row(self, req: Request, where: str, exc: BaseException) -> None:
-        """One running row failed (its admission, prefill piece, sampling, charge): end it
-        alone and give back what it held. The other rows keep going."""
-        for queue in (self.prefilling, self.active):
-            if any(r is req for r in queue):
-                self._release(req)
-                queue.remove(req)
-        self._note_row_error(req, where, exc)
-        self._finish(req, FinishReason.ERROR, error=req.error)
-
-    def _note_row_error(self, req: Request, where: str, exc: BaseException) -> None:
-        """Count it, keep one line for stats and the client, the traceback for the log."""
-        self.failed_rows += 1
-        req.error = self.last_error = row_error(where, exc)
-        log.error("request %s failed in %s", req.request_id, where, exc_info=exc)
-
     # ---------------------------------------------------------------- T4
     def decode_step(self) -> DecodeRecord:
         """T4: one batched forward for all active rows; one new token each,
         streamed at once. A row that hits EOS / stop / max_tokens gets its
-        finish reason here and is evicted by the next tick's T3. In mixed_batch
-        prefill the same forward carries the chunks T2 planned (Version B); a
-        row whose final chunk ran gets its first token and is promoted (C3), and
-        decodes from the next tick.
+        finish reason here and is evicted by the next tick's T3. First the admission
+        mode makes room for the step's new KV (preempt: P6), and each row's
+        reservation grows by `admission.per_decode` (R1). In mixed_batch prefill the
+        same forward carries the pieces T2 planned (Version B); a row whose final
+        piece ran gets its first token and is promoted (C3), and decodes from the
+        next tick.
 
         Before: T3 ran, so no row in `active` is finished (T5); a finished row
         here raises instead of being skipped, so a reordered tick cannot pass
@@ -558,133 +444,64 @@ class Scheduler:
                 raise RuntimeError(
                     f"T5: decode_step found finished rows {finished} in `active`; run "
                     "evict_finished before decode_step (a finished row is never decoded again)")
-            if self.preempting:  # P6: free KV for this step's tokens, preempting if need be
-                rec.preempted = self._make_room()
+            rec.preempted = self.admission.make_room(self)
             rows = list(self.active)
-            # mixed_batch: the chunks T2 planned, minus rows T3 evicted or preempted
+            # mixed_batch: the pieces T2 planned, minus rows T3 evicted or preempted
             planned = [(r, c) for r, c in self._planned if r in self.prefilling]
             self._planned = []
-            if not rows and not planned:
-                rec.kv_length = self.kv_length_metric = self.backend.kv_length
-                return rec
-            if self._kv_grows_in_pool:
-                for r in rows:  # room for the token about to be written
-                    self.block_manager.append_slots(r.request_id, r.num_tokens)
-            if self.preempting:
-                for r in rows:  # R1 under preempt: the reservation grows with the KV
-                    r.reserved_tokens += 1
-                    self.active_kv_reserved += 1
-            feed = [r.output_token_ids[-1] for r in rows]
-            rec.positions = {r.request_id: r.num_tokens - 1 for r in rows}
-            try:
-                if planned:  # Version B: decode rows and prompt chunks, ONE forward
-                    logits, chunk_logits = self.backend.forward_mixed(
-                        rows, feed, [(r, c["start"], c["end"]) for r, c in planned])
-                else:
-                    logits = self.backend.decode_step_batched(rows, feed)  # (B, V)
-                self.forwards.append(len(rows) + sum(c["end"] - c["start"] for _, c in planned))
-            except Exception as e:  # one forward for all rows: each of them failed
-                for req in rows + [r for r, _ in planned]:
-                    self._fail_row(req, "decode forward", e)
-                    rec.failed.append({"request_id": req.request_id, "error": req.error})
-                rec.kv_length = self.kv_length_metric = self.backend.kv_length
-                return rec
-            for (req, chunk), row_logits in zip(planned, chunk_logits if planned else []):
-                try:  # the row's first token if this was its final chunk, then promotion
-                    done = self._piece_done(req, chunk["start"], chunk["end"], row_logits)
-                    chunk["first_token"] = done["first_token"]
-                    if done["final"]:
-                        self._planned_record.promoted.append(req.request_id)
-                except Exception as e:
-                    self._fail_row(req, "prefill", e)
-                    rec.failed.append({"request_id": req.request_id, "error": req.error})
-            for req, row_logits in zip(rows, logits):
-                try:
-                    tok = self._append_token(req, row_logits)
-                    with self.queue_lock:
-                        self.policy.on_tokens_processed(req, 0, 1)
-                except Exception as e:  # this row's sampling or charge failed: it alone
-                    req.finish_reason = FinishReason.ERROR
-                    self._note_row_error(req, "decode", e)
-                    rec.failed.append({"request_id": req.request_id, "error": req.error})
-                    continue  # T3 evicts it next tick, like any finished row
-                rec.rows.append(req.request_id)
-                rec.tokens[req.request_id] = tok
-                if req.finish_reason is not None:
-                    rec.finished[req.request_id] = req.finish_reason.value
+            if rows or planned:
+                self._decode_forward(rows, planned, rec)
             rec.kv_length = self.kv_length_metric = self.backend.kv_length
         return rec
 
-    # ---------------------------------------------------------------- P6
-    def _make_room(self) -> list[dict[str, Any]]:
-        """Preempt mode, at the start of T4: before this decode writes one token of KV
-        per active row, make sure that KV exists. If the G2 budget (or, on the paged
-        backend, the free blocks) cannot take one more token per row, preempt the
-        policy's victim (lowest priority, latest arrival) among the running rows, again
-        until it fits. Prefill never needs room here: admission gave a row all of its
-        prefill KV (G2, G3), so only decode grows.
-
-        After: active_kv_reserved + len(active) <= kv_budget_tokens, and (paged) the
-        active rows' next tokens fit the free blocks. Always reachable: a request that
-        could not fit alone was refused at admission."""
-        out = []
-        while self.prefilling or self.active:
-            over_budget = self.active_kv_reserved + len(self.active) > self.kv_budget_tokens
-            over_blocks = (self._kv_grows_in_pool and self._decode_growth_blocks(False)
-                           > self.block_manager.num_free_blocks())
-            if not (over_budget or over_blocks):
-                break
-            with self.queue_lock:
-                try:
-                    victim = self.policy.choose_victim(self.prefilling + self.active)
-                except Exception as e:  # fall back to the latest arrival, FCFS's victim
-                    self._note_hook_error("choose_victim", e)
-                    victim = max(self.prefilling + self.active, key=lambda r: r.arrival_seq)
-            why = (f"kv_budget: {self.active_kv_reserved} reserved + {len(self.active)} new tokens > {self.kv_budget_tokens}"
-                if over_budget else
-                f"block_pool: {self.block_manager.num_free_blocks()} free blocks")
-            out.append(self._preempt(victim, why))
-        return out
-
-    def _preempt(self, req: Request, why: str) -> dict[str, Any]:
-        """Send a running row back to `pending` (P6). Its reservation and blocks go back
-        through `_release`, the same single subtractor as eviction (R1); the policy
-        re-queues it (`on_request_preempted`: FCFS by its old key, the fair policy with
-        its counter kept). On re-admission it prefills prompt + the tokens it has
-        produced so far, then samples its next token: the client's stream goes on."""
-        queue = self.prefilling if any(r is req for r in self.prefilling) else self.active
-        held = (req.num_computed_prompt_tokens if queue is self.prefilling
-                else req.num_tokens - 1)  # KV it holds: all but the token not yet fed
-        blocks = (len(self.block_manager.block_table(req.request_id))
-                  if self.block_manager is not None else 0)
-        if self.block_manager is not None and self._kv_grows_in_pool and queue is self.active:
-            # its decoded tokens' full blocks become cache entries, so re-admission
-            # may find them instead of recomputing (paged: the KV is in the pool)
-            self.block_manager.mark_computed(req.request_id, req.prompt_token_ids
-                                             + req.output_token_ids, held)
-        released = self._release(req)
-        queue.remove(req)
-        req.kv_high_water = max(req.kv_high_water, held)
-        req.recompute_token_ids = list(req.output_token_ids)
-        req.num_computed_prompt_tokens = req.num_cached_tokens = 0
-        req.num_preemptions += 1
-        self.preemptions += 1
-        req.status = RequestStatus.PENDING
-        with self.queue_lock:
-            req.policy_running = False
+    def _decode_forward(self, rows: list[Request], planned: list[tuple[Request, dict]],
+                        rec: DecodeRecord) -> None:
+        """Grow each row's KV by the token it is fed, run the forward, sample one token
+        per row; finish the planned pieces (mixed_batch). A forward that raises fails
+        every row in it; a row whose sampling or charge raises fails alone."""
+        if self.backend.kv_grows_in_pool:
+            for r in rows:  # room for the token about to be written
+                self.block_manager.append_slots(r.request_id, r.num_tokens)
+        for r in rows:  # R1: preempt's reservation grows with the KV (reserve's: by 0)
+            r.reserved_tokens += self.admission.per_decode
+            self.active_kv_reserved += self.admission.per_decode
+        feed = [r.output_token_ids[-1] for r in rows]
+        rec.positions = {r.request_id: r.num_tokens - 1 for r in rows}
+        try:
+            if planned:  # Version B: decode rows and prompt pieces, ONE forward
+                logits, chunk_logits = self.backend.forward_mixed(
+                    rows, feed, [(r, c["start"], c["end"]) for r, c in planned])
+            else:
+                logits, chunk_logits = self.backend.decode_step_batched(rows, feed), []  # (B, V)
+            self.forwards.append(len(rows) + sum(c["end"] - c["start"] for _, c in planned))
+        except Exception as e:  # one forward for all rows: each of them failed
+            for req in rows + [r for r, _ in planned]:
+                self._fail_row(req, "decode forward", e, rec.failed)
+            return
+        for (req, chunk), row_logits in zip(planned, chunk_logits):
+            try:  # the row's first token if this was its final piece, then promotion
+                done = self._piece_done(req, chunk["start"], chunk["end"], row_logits)
+                chunk["first_token"] = done["first_token"]
+                if done["final"]:
+                    self._planned_record.promoted.append(req.request_id)
+            except Exception as e:
+                self._fail_row(req, "prefill", e, rec.failed)
+        for req, row_logits in zip(rows, logits):
             try:
-                self.policy.on_request_preempted(req)
-            except Exception as e:  # it is in no queue now: end it rather than lose it
-                if any(r is req for r in self.policy):
-                    self.policy.remove(req)
-                self._note_row_error(req, "on_request_preempted", e)
-                self._finish(req, FinishReason.ERROR, error=req.error)
-        return {"request_id": req.request_id, "from_queue": "prefilling" if queue is
-                self.prefilling else "active", "released_tokens": released,
-                "released_blocks": blocks, "tokens_so_far": len(req.output_token_ids),
-                "why": why}
+                tok = self._append_token(req, row_logits)
+                with self.queue_lock:
+                    self.policy.on_tokens_processed(req, 0, 1)
+            except Exception as e:  # this row's sampling or charge failed: it alone
+                req.finish_reason = FinishReason.ERROR
+                self._note_row_error(req, "decode", e)
+                rec.failed.append({"request_id": req.request_id, "error": req.error})
+                continue  # T3 evicts it next tick, like any finished row
+            rec.rows.append(req.request_id)
+            rec.tokens[req.request_id] = tok
+            if req.finish_reason is not None:
+                rec.finished[req.request_id] = req.finish_reason.value
 
-    # ================================================================= helpers
+    # ================================================================= a row's end, and errors
     def _append_token(self, req: Request, logits) -> int:
         """Sample, record, stream. Sets finish_reason when the request is done."""
         tok = self.sampler.sample_row(logits, req.sampling, req.generator)
@@ -727,6 +544,40 @@ class Scheduler:
             out = RequestOutput.from_request(req, req.handle.text)
             req.handle._finish(out, reason.value,
                                rejection=rejection.to_dict() if rejection else None, error=req.error)
+
+    def _policy_call(self, method: str):
+        """A policy hook whose failure touches no running row (peek): note it and answer
+        None, so this tick admits nothing and every running row goes on (issue 23)."""
+        try:
+            return getattr(self.policy, method)()
+        except Exception as e:
+            self._note_hook_error(method, e)
+            return None
+
+    def _note_hook_error(self, hook: str, exc: BaseException) -> None:
+        self.hook_errors += 1
+        self.last_error = row_error(f"the policy's {hook}", exc)
+        log.error("policy hook %s raised", hook, exc_info=exc)
+
+    def _fail_row(self, req: Request, where: str, exc: BaseException,
+                  failed: list | None = None) -> None:
+        """One running row failed (its admission, prefill piece, sampling, charge): end it
+        alone and give back what it held (noted in a record's `failed`, if given). The
+        other rows keep going."""
+        for queue in (self.prefilling, self.active):
+            if any(r is req for r in queue):
+                self._release(req)
+                queue.remove(req)
+        self._note_row_error(req, where, exc)
+        self._finish(req, FinishReason.ERROR, error=req.error)
+        if failed is not None:
+            failed.append({"request_id": req.request_id, "error": req.error})
+
+    def _note_row_error(self, req: Request, where: str, exc: BaseException) -> None:
+        """Count it, keep one line for stats and the client, the traceback for the log."""
+        self.failed_rows += 1
+        req.error = self.last_error = row_error(where, exc)
+        log.error("request %s failed in %s", req.request_id, where, exc_info=exc)
 
     def abort_all(self, error: str) -> int:
         """Shutting down: end every request, running or waiting, with `error`, giving
@@ -781,15 +632,7 @@ class Scheduler:
             pending = list(self.policy)
             expect = sum(r.reserved_tokens for r in self.prefilling + self.active)
             assert self.active_kv_reserved == expect, f"R1: reserved {self.active_kv_reserved} != {expect}"
-            if self.preempting:  # the KV each row holds after its last forward
-                assert all(r.reserved_tokens == r.prefill_len for r in self.prefilling), "R1 row"
-                # (a row whose sampling failed after the forward holds its fed token too)
-                assert all(r.reserved_tokens == r.num_tokens - 1 or r.finish_reason is
-                           FinishReason.ERROR for r in self.active), "R1 row"
-                assert self.active_kv_reserved <= self.kv_budget_tokens, "R1: over budget"
-            else:
-                assert all(r.reserved_tokens == r.kv_need
-                           for r in self.prefilling + self.active), "R1 per row"
+            self.admission.check_rows(self)  # each row's reservation, as its mode says
             ids = [r.request_id for r in pending + self.prefilling + self.active]
             assert len(ids) == len(set(ids)), "a request sits in two queues"
             assert set(ids) == set(self.requests), "Q: tracked requests != queued requests"
@@ -814,69 +657,10 @@ class Scheduler:
             return (not self.has_work() and self.active_kv_reserved == 0 and blocks_idle
                     and self.backend.num_rows == 0 and not self.requests)
 
-    @staticmethod
-    def card(req: Request) -> dict[str, Any]:
-        """The small per-request summary a TickRecord keeps (for queue figures)."""
-        return {"session": req.session_id, "priority": req.priority, "prompt_len": req.prompt_len,
-                "computed": req.num_computed_prompt_tokens, "cached": req.num_cached_tokens,
-                "output_len": len(req.output_token_ids), "max_tokens": req.max_tokens,
-                "status": req.status.value, "preemptions": req.num_preemptions,
-                "recompute": len(req.recompute_token_ids)}
-
-    def snapshot_record(self, admit: AdmitRecord | None = None, prefill: PrefillRecord | None = None,
-                        evict: EvictRecord | None = None, decode: DecodeRecord | None = None,
-                        duration_s: float = 0.0, tick: int | None = None) -> TickRecord:
-        """The engine *now* as a TickRecord: the phase records given so far, empty ones
-        for phases not run yet (to draw a tick half-way). `tick` defaults to the tick in
-        progress."""
-        with self.queue_lock:
-            pending, policy = list(self.policy), self.policy.stats()
-        reqs = pending + self.prefilling + self.active
-        return TickRecord(
-            tick=self.tick_count + 1 if tick is None else tick,
-            admit=admit or AdmitRecord(), prefill=prefill or PrefillRecord(),
-            evict=evict or EvictRecord(), decode=decode or DecodeRecord(),
-            queues={"pending": [r.request_id for r in pending],
-                    "prefilling": [r.request_id for r in self.prefilling],
-                    "active": [r.request_id for r in self.active]},
-            active_kv_reserved=self.active_kv_reserved, duration_s=duration_s,
-            requests={r.request_id: self.card(r) for r in reqs},
-            backend=self.backend.snapshot(), policy=policy,
-            blocks=self.block_manager.snapshot() if self.block_manager is not None else None)
-
     def stats(self) -> dict[str, Any]:
-        """SPEC G5: queues, reservation, gate counters, KV pressure, policy counters."""
-        with self.queue_lock:
-            pending, policy = len(self.policy), self.policy.stats()
-        s: dict[str, Any] = {
-            "ticks": self.tick_count,
-            "queues": {"pending": pending, "prefilling": len(self.prefilling),
-                       "active": len(self.active)},
-            "max_queue_size": self.config.max_queue_size,
-            "max_batch_size": self.config.max_batch_size,
-            "active_kv_reserved": self.active_kv_reserved,
-            "kv_budget_tokens": self.kv_budget_tokens,
-            "kv_admit_blocked": dict(self.kv_admit_blocked),
-            "rejected": dict(self.rejected),
-            "finished": self.finished_count,
-            "failed_rows": self.failed_rows,
-            "tokens_generated": self.tokens_generated,
-            "prompt_tokens_computed": self.prompt_tokens_computed,
-            "admission": self.config.admission,
-            "preemptions": self.preemptions,
-            "recomputed_tokens": self.recomputed_tokens,
-            "kv_length": self.kv_length_metric,  # read under the tick lock, by T4
-            "backend": self.backend.name,
-            "prefill_mode": self.config.prefill_mode,
-            "policy": policy,
-        }
-        if self.block_manager is not None:
-            b = self.block_manager.stats()
-            s["blocks"] = b
-            s["kv_pressure"] = b["kv_pressure"]
-        else:
-            s["kv_pressure"] = self.active_kv_reserved / self.kv_budget_tokens
-        return s
+        """SPEC G5: queues, reservation, gate counters, KV pressure, policy counters
+        (`records.stats`)."""
+        return records.stats(self)
 
 
 def row_error(where: str, exc: BaseException) -> str:

@@ -84,6 +84,11 @@ class Backend(ABC):
     name: str = "base"
     supports_mixed_batch: bool = False  # forward_mixed is built (EngineConfig checks it)
     supports_batched_prefill: bool = False  # prefill_together is built
+    # Where a row's decode KV goes. False (padded): in the backend's own tensors; only the
+    # prompt's blocks are pooled. True (paged): into the block pool, one block per
+    # `block_size` tokens, so admission counts blocks for prompt + max_tokens (G3) and a
+    # decode step may need a new block (P6).
+    kv_grows_in_pool: bool = False
 
     @abstractmethod
     def begin_prefill(self, req: Request) -> None:

@@ -282,6 +282,7 @@ class PagedBackend(Backend):
     name = "paged"
     supports_mixed_batch = True
     supports_batched_prefill = True
+    kv_grows_in_pool = True  # decode writes into the pool's blocks (see Backend)
 
     def __init__(self, model: torch.nn.Module, block_manager: BlockManager,
                  storage: KVBlockStorage | None = None, max_model_len: int | None = None,

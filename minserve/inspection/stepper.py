@@ -30,6 +30,7 @@ from __future__ import annotations
 import html
 import random
 import re
+from contextlib import contextmanager
 from typing import Any
 
 import plotly.graph_objects as go
@@ -122,31 +123,31 @@ class Stepper:
             rec = self.engine.step()
             self._arrived = []
         else:
-            while self.phase:
-                self._next_phase_quiet()
+            with self._quiet():  # no redraw for every phase
+                while self.phase:
+                    self.next_phase()
             rec = self.engine.trace[-1]
         self.last_phase = f"tick {rec.tick}"
         self.refresh()
         return rec
 
-    def _next_phase_quiet(self) -> None:
-        widget, self._widget = self._widget, None  # no redraw for every phase
+    @contextmanager
+    def _quiet(self):
+        """Inside it, `refresh` draws nothing: several steps, one redraw after."""
+        widget, self._widget = self._widget, None
         try:
-            self.next_phase()
+            yield
         finally:
             self._widget = widget
 
     def run(self, n: int = 5) -> list[TickRecord]:
         """Up to `n` ticks (stops early when the engine is idle); one redraw at the end."""
         recs = []
-        widget, self._widget = self._widget, None
-        try:
+        with self._quiet():
             for _ in range(n):
                 if self.phase == 0 and not self.engine.scheduler.has_work():
                     break
                 recs.append(self.next_tick())
-        finally:
-            self._widget = widget
         self.refresh()
         return recs
 
@@ -183,13 +184,10 @@ class Stepper:
         old = self.engine
         engine = type(old)(old.config, model=old.model, tokenizer=old.tokenizer)
         opening, self._opening = self._opening, []
-        widget, self._widget = self._widget, None
-        try:
+        with self._quiet():
             self._attach(engine)
             for r in opening if requeue else ():
                 self.add_request(**r)
-        finally:
-            self._widget = widget
         self.last_phase = "reset: a fresh engine" + (
             f", {len(opening)} requests queued" if requeue and opening else "")
         self.refresh()

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import records
 from ..records import AdmitRecord, DecodeRecord, EvictRecord, PrefillRecord, TickRecord
 from ..sampling import SamplingParams
 
@@ -212,10 +213,10 @@ class TraceRecorder:
 def snapshot_record(engine, admit: AdmitRecord | None = None,
                     prefill: PrefillRecord | None = None, evict: EvictRecord | None = None,
                     decode: DecodeRecord | None = None, tick: int | None = None) -> TickRecord:
-    """The engine *now*, as a TickRecord (see `Scheduler.snapshot_record`): the phase
+    """The engine *now*, as a TickRecord (see `records.snapshot`): the phase
     records given so far, empty ones for the phases not run yet. For drawing a tick
     half-way (after T1, after T2, ...)."""
-    return engine.scheduler.snapshot_record(admit, prefill, evict, decode, tick=tick)
+    return records.snapshot(engine.scheduler, admit, prefill, evict, decode, tick=tick)
 
 
 def request_states(trace: Trace) -> dict[str, list[dict[str, Any]]]:

@@ -2,7 +2,8 @@
 counter lift (P4) of a one-tier VTC; the checks call the hooks, then check the 2U bound
 (P5) on random traces in a small simulated server, then put the policy in a real engine.
 
-The simulator is the one of `tests/test_policies.py`, kept small: each tick requests
+The simulator (`simulate`) is also the one `tests/test_policies.py` checks FairPolicy
+with, kept small: each tick requests
 arrive, admission takes the head while a batch row is free and its `prompt + max_tokens`
 fits the KV budget (else the head waits, G2/G4), the whole prompt is charged at
 admission, every running row decodes one token, finished rows leave. The service W is
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 from ..fair import FairPolicy
 from ..sampling import SamplingParams
@@ -135,36 +137,62 @@ def check_units(cls) -> None:
     check_no_lift_while_waiting(cls)
 
 
-def simulate(policy, arrivals, max_batch_size: int, kv_budget: int, w_in: float, w_out: float):
-    """Snapshots (service, waiting sessions) of a miniature server; see the module docstring."""
-    service, queued = defaultdict(float), defaultdict(int)
-    running, reserved, tick, snaps = [], 0, 0, []
-    todo = sorted(arrivals, key=lambda a: (a[0], a[1].arrival_seq))
+@dataclass
+class SimResult:
+    """Snapshots after every charge: weighted service W, policy counters, who waits; and
+    the requests in the order they were admitted (and what `pick_next` returned)."""
 
-    def snap():
-        snaps.append((dict(service), {s for s, n in queued.items() if n}))
+    service: list[dict[str, float]] = field(default_factory=list)
+    counters: list[dict[str, float]] = field(default_factory=list)
+    waiting: list[set[str]] = field(default_factory=list)
+    admitted: list = field(default_factory=list)
+    picked: list = field(default_factory=list)
+
+
+def simulate(policy, arrivals, max_batch_size: int, kv_budget: int, w_in: float,
+             w_out: float) -> SimResult:
+    """A server in miniature, with the scheduler's phase order and its hooks (also the
+    simulator of `tests/test_policies.py`).
+
+    Each tick: requests arrive; admit while a slot is free and the head's
+    `prompt_len + max_tokens` fits in what is left of `kv_budget` (else the head
+    soft-holds, G2/G4), charging the whole prompt at admission (monolithic
+    prefill); every running row decodes one token (charged 1 output token);
+    rows that reached max_tokens leave (on_request_finished). W is the
+    service measured here, independent of the policy.
+    """
+    res = SimResult()
+    service, queued = defaultdict(float), defaultdict(int)
+    running: list[list] = []  # [request, tokens decoded]
+    reserved, tick, todo = 0, 0, sorted(arrivals, key=lambda a: (a[0], a[1].arrival_seq))
+
+    def snapshot() -> None:
+        res.service.append(dict(service))
+        res.counters.append(dict(getattr(policy, "counters", {})))
+        res.waiting.append({s for s, n in queued.items() if n})
 
     while todo or len(policy) or running:
         while todo and todo[0][0] <= tick:
             req = todo.pop(0)[1]
             policy.on_request_arrived(req)
             queued[req.session_id] += 1
-        snap()
+        snapshot()
         while len(running) < max_batch_size and (head := policy.peek_next()) is not None:
             if reserved + head.kv_need > kv_budget:
-                break
-            policy.pick_next()
+                break  # soft hold: the head keeps its place
+            res.picked.append(policy.pick_next())
             queued[head.session_id] -= 1
             reserved += head.kv_need
             running.append([head, 0])
+            res.admitted.append(head)
             policy.on_tokens_processed(head, head.prompt_len, 0)
             service[head.session_id] += w_in * head.prompt_len
-            snap()
+            snapshot()
         for row in running:
             row[1] += 1
             policy.on_tokens_processed(row[0], 0, 1)
             service[row[0].session_id] += w_out
-            snap()
+            snapshot()
         for row in [r for r in running if r[1] == r[0].max_tokens]:
             running.remove(row)
             reserved -= row[0].kv_need
@@ -173,20 +201,41 @@ def simulate(policy, arrivals, max_batch_size: int, kv_budget: int, w_in: float,
         if tick > 50_000:
             fail("the simulated server never drained: some request is never admitted",
                  f"VTCLab.peek_next / pick_next; {WHERE}")
-    return snaps
+    return res
 
 
-def worst_gap(snaps, a: str, b: str) -> float:
-    """Largest |W_a(t1,t2) - W_b(t1,t2)| over windows where both a and b wait throughout."""
-    gap, lo, hi = 0.0, None, None
-    for service, waiting in snaps:
+def backlogged_gaps(res: SimResult, a: str, b: str) -> tuple[float, float]:
+    """Over the stretches of snapshots where both a and b have requests waiting:
+    (largest |counter_a - counter_b|, largest service difference over a window).
+
+    The window difference |W_a(t1,t2) - W_b(t1,t2)| = |D(t2) - D(t1)| with
+    D = W_a - W_b, so in one stretch its maximum is max(D) - min(D). A session
+    only stops waiting at an admission, and every admission is snapshotted, so
+    a stretch of snapshots is a window in which both waited throughout.
+    """
+    counter_gap, service_gap, lo, hi = 0.0, 0.0, None, None
+    for service, counters, waiting in zip(res.service, res.counters, res.waiting):
         if not {a, b} <= waiting:
-            lo = hi = None
+            lo = hi = None  # the stretch ends
             continue
         d = service.get(a, 0.0) - service.get(b, 0.0)
         lo, hi = (d, d) if lo is None else (min(lo, d), max(hi, d))
-        gap = max(gap, hi - lo)
-    return gap
+        service_gap = max(service_gap, hi - lo)
+        if counters:
+            counter_gap = max(counter_gap, abs(counters[a] - counters[b]))
+    return counter_gap, service_gap
+
+
+def paper_U(arrivals, max_batch_size: int, kv_budget: int, w_in: float, w_out: float) -> float:
+    """U = max(w_in * L_input, w_out * M) for this simulation.
+
+    L_input = the longest prompt. M = the most tokens the running batch can hold:
+    the KV budget, or max_batch_size rows of the largest request if that is less.
+    """
+    reqs = [r for _, r in arrivals]
+    longest = max(r.prompt_len for r in reqs)
+    m = min(kv_budget, max_batch_size * max(r.kv_need for r in reqs))
+    return max(w_in * longest, w_out * m)
 
 
 def random_trace(rng: random.Random):
@@ -215,12 +264,10 @@ def check_bound(cls, seeds=range(40)) -> float:
     for seed in seeds:
         arrivals, batch, budget, w_in, w_out = random_trace(random.Random(seed))
         policy = student(cls, w_in, w_out, name="VTCLab(w_in, w_out)", where=WHERE)
-        snaps = student(simulate, policy, arrivals, batch, budget, w_in, w_out,
-                        name="a VTCLab hook", where=WHERE)
-        reqs = [r for _, r in arrivals]
-        u = max(w_in * max(r.prompt_len for r in reqs),
-                w_out * min(budget, batch * max(r.kv_need for r in reqs)))
-        gap = worst_gap(snaps, "h0", "h1")
+        res = student(simulate, policy, arrivals, batch, budget, w_in, w_out,
+                      name="a VTCLab hook", where=WHERE)
+        u = paper_U(arrivals, batch, budget, w_in, w_out)
+        gap = backlogged_gaps(res, "h0", "h1")[1]
         if gap > 2 * u + 1e-9:
             fail(f"random trace seed={seed} (batch {batch}, kv_budget {budget}, w_in={w_in}, "
                  f"w_out={w_out}): while h0 and h1 both waited their service differed by "

@@ -1,0 +1,249 @@
+"""Admission: how much KV a request must be given to start, and what happens when a
+running row would run out (SPEC R1, P6). The policy decides *who* goes next; the
+admission mode decides *how much* it takes; the gates (gates.py) check the numbers.
+
+Two modes, one contract (`EngineConfig.admission`, one object per engine):
+
+    contract                     ReserveAdmission ("reserve")   PreemptAdmission ("preempt")
+    need(req): admitted when     prompt + max_tokens fits        its prefill tokens + 1 fit next
+      it fits (G2)               next to the reservations        to what running rows hold and
+                                                                 the token each writes next (*)
+    reserve(req): admission      prompt + max_tokens             its prefill tokens
+      adds to R1
+    per_decode: each decode      0 (reserved at admission)       1 token per row
+      step adds to a row's R1
+    make_room(s): start of T4    nothing: no row can run out     preempt the policy's victim
+                                                                 until the step's tokens fit
+
+(*) so admitting a request never forces a preemption in the same tick.
+
+Reserving prompt + max_tokens means a running row can never run out of KV, at the price
+of admitting fewer rows than memory could hold (most requests stop long before
+max_tokens). Preempting admits on what the prompt needs now; when a decode step would not
+fit, a running row's KV is released and it goes back to `pending`, to be recomputed
+(prompt + the tokens so far) on re-admission (`PreemptAdmission.preempt`).
+
+Where the KV grows is the backend's to say, not a name the scheduler tests:
+`Backend.kv_grows_in_pool`. Padded: only the prompt's blocks are pooled; decode KV
+lives in the backend's own tensors. Paged: decode keeps writing into the pool, so G3
+counts blocks for what G2 counts, net of the blocks running rows will take
+(`blocks_taken`), and preemption also watches the free blocks.
+
+A mode holds no state: each method reads (and preempt changes) the scheduler `s` it is
+given, so a lab that swaps the scheduler's backend, block manager or gates changes what
+admission sees. Preempting goes through the scheduler's own `_release` (the one
+subtractor of R1) and `_finish`, as eviction does.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from .request import FinishReason, Rejection, Request, RequestStatus
+
+
+class Admission(ABC):
+    """The contract (see the module docstring). Subclasses state `name`, `per_decode`,
+    `need`, `reserve`, `check_kv`, `blocks_taken`, `check_rows`; `make_room` does
+    nothing unless a mode can run out."""
+
+    name = "base"
+    per_decode = 0  # tokens each decode step adds to a row's reservation (R1)
+
+    @abstractmethod
+    def need(self, req: Request) -> int:
+        """Tokens of KV the request needs to be admitted (G2; the tenant share, H5)."""
+
+    @abstractmethod
+    def reserve(self, req: Request) -> int:
+        """Tokens admission adds to the request's reservation and to R1."""
+
+    @abstractmethod
+    def check_kv(self, s, req: Request) -> Rejection | None:
+        """G2: the scheduler's `gates.check_kv_budget`, asked this mode's numbers."""
+
+    @abstractmethod
+    def blocks_taken(self, s) -> int:
+        """Free blocks that running rows will take before this request could (paged)."""
+
+    def check_blocks(self, s, req: Request) -> Rejection | None:
+        """G3: the blocks the request needs must be free, net of `blocks_taken`. Where
+        decode KV grows into the pool, that is blocks for `need` tokens, and it can never
+        fit if prompt + max_tokens is bigger than the pool; elsewhere only the prompt's
+        (prefill's) blocks are pooled."""
+        bm = s.block_manager
+        if s.backend.kv_grows_in_pool:
+            tokens, whole, taken = self.need(req), req.kv_need, self.blocks_taken(s)
+        else:
+            tokens, whole, taken = req.prefill_len, req.prompt_len, 0
+        return s.gates.check_block_pool(
+            blocks_needed=bm.blocks_needed(req.prefill_token_ids, tokens, salt=req.tenant),
+            free_blocks=bm.num_free_blocks() - taken,
+            prompt_blocks=bm.num_blocks_for(whole), num_blocks=bm.num_blocks)
+
+    def make_room(self, s) -> list[dict[str, Any]]:
+        """Start of T4: make sure this step's new KV fits. Returns the preemptions."""
+        return []
+
+    @abstractmethod
+    def check_rows(self, s) -> None:
+        """Assert each running row's reservation is what this mode says (R1 per row)."""
+
+
+class ReserveAdmission(Admission):
+    """Reserve prompt + max_tokens at admission (the default): a running row can never
+    run out of KV, so decode adds nothing and nothing is ever preempted."""
+
+    name = "reserve"
+
+    def need(self, req: Request) -> int:
+        return req.kv_need  # prompt_len + max_tokens
+
+    def reserve(self, req: Request) -> int:
+        return req.kv_need
+
+    def check_kv(self, s, req: Request) -> Rejection | None:
+        """Hard: prompt + max_tokens exceeds the whole budget. Soft: it does not fit
+        next to what the running rows reserved."""
+        return s.gates.check_kv_budget(req.kv_need, s.active_kv_reserved, s.kv_budget_tokens)
+
+    def blocks_taken(self, s) -> int:
+        """The blocks running rows were promised and will take as they decode: so decode
+        can never run out of blocks mid-flight."""
+        bm = s.block_manager
+        return sum(bm.num_blocks_for(r.kv_need) - len(bm.block_table(r.request_id))
+                   for r in s.prefilling + s.active)
+
+    def check_rows(self, s) -> None:
+        assert all(r.reserved_tokens == r.kv_need for r in s.prefilling + s.active), \
+            "R1 per row"
+
+
+class PreemptAdmission(Admission):
+    """Admit on what the prefill needs now; the reservation grows by one token per
+    decode step (it is the KV the row holds after its next forward); when a step would
+    not fit, `make_room` preempts (P6)."""
+
+    name = "preempt"
+    per_decode = 1
+
+    def need(self, req: Request) -> int:
+        return req.prefill_len + 1  # its prefill tokens and its first decoded token
+
+    def reserve(self, req: Request) -> int:
+        return req.prefill_len
+
+    @staticmethod
+    def decode_growth(s) -> int:
+        """Tokens the next decode adds: one per row that will decode, the active rows and
+        those that may be promoted by then."""
+        return len(s.active) + len(s.prefilling)
+
+    def check_kv(self, s, req: Request) -> Rejection | None:
+        """Hard, as under reserve: prompt + max_tokens (`whole`) exceeds the whole budget,
+        so it could not finish even alone. Soft: `need` does not fit next to what running
+        rows hold plus the next decode's tokens."""
+        return s.gates.check_kv_budget(self.need(req), s.active_kv_reserved + self.decode_growth(s),
+                                       s.kv_budget_tokens, whole=req.kv_need)
+
+    @staticmethod
+    def next_decode_blocks(s, include_prefilling: bool = True) -> int:
+        """Blocks the next decode takes from the pool (paged): one per active row whose next
+        token starts a new block (and per prefilling row, which may decode by then, whose
+        first decoded token would, unless `include_prefilling` is False)."""
+        bm = s.block_manager
+        n = sum(bm.num_blocks_for(r.num_tokens) > len(bm.block_table(r.request_id))
+                for r in s.active)
+        if include_prefilling:
+            n += sum(bm.num_blocks_for(r.prefill_len + 1) > bm.num_blocks_for(r.prefill_len)
+                     for r in s.prefilling)
+        return n
+
+    def blocks_taken(self, s) -> int:
+        return self.next_decode_blocks(s)
+
+    def make_room(self, s) -> list[dict[str, Any]]:
+        """Before this decode writes one token of KV per active row, make sure that KV
+        exists: while the G2 budget (or, where KV grows in the pool, the free blocks)
+        cannot take one more token per row, preempt the policy's victim (lowest priority,
+        latest arrival) among the running rows. Prefill never needs room: admission gave
+        a row all of its prefill KV (G2, G3), so only decode grows.
+
+        After: active_kv_reserved + len(active) <= kv_budget_tokens, and the active rows'
+        next tokens fit the free blocks. Always reachable: a request that could not fit
+        alone was refused at admission."""
+        out = []
+        while s.prefilling or s.active:
+            over_budget = s.active_kv_reserved + len(s.active) > s.kv_budget_tokens
+            over_blocks = (s.backend.kv_grows_in_pool and self.next_decode_blocks(s, False)
+                           > s.block_manager.num_free_blocks())
+            if not (over_budget or over_blocks):
+                break
+            why = (f"kv_budget: {s.active_kv_reserved} reserved + {len(s.active)} new tokens "
+                   f"> {s.kv_budget_tokens}" if over_budget else
+                   f"block_pool: {s.block_manager.num_free_blocks()} free blocks")
+            out.append(self.preempt(s, self.victim(s), why))
+        return out
+
+    @staticmethod
+    def victim(s) -> Request:
+        """The running row to preempt: the policy's `choose_victim` (lowest priority, then
+        latest arrival); if that hook raises, FCFS's choice, the latest arrival."""
+        running = s.prefilling + s.active
+        with s.queue_lock:
+            try:
+                return s.policy.choose_victim(running)
+            except Exception as e:
+                s._note_hook_error("choose_victim", e)
+                return max(running, key=lambda r: r.arrival_seq)
+
+    @staticmethod
+    def preempt(s, req: Request, why: str) -> dict[str, Any]:
+        """Send a running row back to `pending`. Its reservation and blocks go back
+        through `s._release`, the same single subtractor as eviction (R1); the policy
+        re-queues it (`on_request_preempted`: FCFS by its old key, the fair policy with
+        its counter kept). On re-admission it prefills prompt + the tokens it has produced
+        so far (`prefill_token_ids`), then samples its next token: the client's stream
+        goes on. Returns what the decode record lists."""
+        queue = s.prefilling if any(r is req for r in s.prefilling) else s.active
+        held = (req.num_computed_prompt_tokens if queue is s.prefilling
+                else req.num_tokens - 1)  # KV it holds: all but the token not yet fed
+        bm = s.block_manager
+        blocks = len(bm.block_table(req.request_id)) if bm is not None else 0
+        if bm is not None and s.backend.kv_grows_in_pool and queue is s.active:
+            # its decoded tokens' full blocks become cache entries, so re-admission
+            # may find them instead of recomputing (the KV is in the pool)
+            bm.mark_computed(req.request_id, req.prompt_token_ids + req.output_token_ids, held)
+        released = s._release(req)
+        queue.remove(req)
+        req.kv_high_water = max(req.kv_high_water, held)
+        req.recompute_token_ids = list(req.output_token_ids)
+        req.num_computed_prompt_tokens = req.num_cached_tokens = 0
+        req.num_preemptions += 1
+        s.preemptions += 1
+        req.status = RequestStatus.PENDING
+        with s.queue_lock:
+            req.policy_running = False
+            try:
+                s.policy.on_request_preempted(req)
+            except Exception as e:  # it is in no queue now: end it rather than lose it
+                if any(r is req for r in s.policy):
+                    s.policy.remove(req)
+                s._note_row_error(req, "on_request_preempted", e)
+                s._finish(req, FinishReason.ERROR, error=req.error)
+        return {"request_id": req.request_id, "from_queue": "prefilling" if queue is
+                s.prefilling else "active", "released_tokens": released,
+                "released_blocks": blocks, "tokens_so_far": len(req.output_token_ids),
+                "why": why}
+
+    def check_rows(self, s) -> None:
+        """The KV each row holds after its last forward, within the budget."""
+        assert all(r.reserved_tokens == r.prefill_len for r in s.prefilling), "R1 row"
+        # (a row whose sampling failed after the forward holds its fed token too)
+        assert all(r.reserved_tokens == r.num_tokens - 1 or r.finish_reason is
+                   FinishReason.ERROR for r in s.active), "R1 row"
+        assert s.active_kv_reserved <= s.kv_budget_tokens, "R1: over budget"
+
+
+MODES = {mode.name: mode for mode in (ReserveAdmission, PreemptAdmission)}

@@ -1,0 +1,56 @@
+"""Admission modes (R1, P6): reserve and preempt, one contract each (minserve/admission.py).
+
+The engine-level behaviour (oracle tokens, preemption, the gates' numbers) is pinned in
+tests/test_preemption.py and tests/test_gates.py; here, what each mode states, and that the
+scheduler asks the mode and the backend instead of testing names.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from minserve.admission import MODES, PreemptAdmission, ReserveAdmission
+from minserve.request import Request
+from minserve.sampling import SamplingParams
+
+from .conftest import make_engine, run_checked
+
+
+def make_req(prompt: int = 20, out: int = 64, produced: int = 0) -> Request:
+    req = Request(request_id="r", prompt_token_ids=[1] * prompt,
+                  sampling=SamplingParams(max_tokens=out), arrival_seq=0)
+    req.output_token_ids = [2] * produced
+    req.recompute_token_ids = list(req.output_token_ids)  # as after a preemption
+    return req
+
+
+def test_reserve_needs_and_reserves_prompt_plus_max_tokens_and_never_grows():
+    mode, req = ReserveAdmission(), make_req(produced=5)
+    assert mode.need(req) == mode.reserve(req) == 20 + 64
+    assert mode.per_decode == 0
+
+
+def test_preempt_needs_its_prefill_plus_one_and_grows_one_token_per_decode():
+    mode, req = PreemptAdmission(), make_req(produced=5)
+    assert mode.reserve(req) == 20 + 5  # the prompt and the tokens it must recompute
+    assert mode.need(req) == 20 + 5 + 1  # ... and its next token
+    assert mode.per_decode == 1
+
+
+@pytest.mark.parametrize("admission", ["reserve", "preempt"])
+def test_the_engine_uses_the_configured_mode_and_r1_holds_after_every_phase(tiny_model,
+                                                                           admission):
+    engine = make_engine(tiny_model, admission=admission, backend="paged", num_blocks=12,
+                         block_size=4, max_batch_size=4)
+    assert isinstance(engine.scheduler.admission, MODES[admission])
+    for i in range(6):
+        engine.submit([1 + i] * (5 + i), SamplingParams(max_tokens=12, ignore_eos=True))
+    run_checked(engine)  # check_invariants (R1, the mode's per-row check) after every phase
+    assert engine.scheduler.is_drained()
+    assert (engine.scheduler.preemptions > 0) == (admission == "preempt")
+
+
+@pytest.mark.parametrize("backend, grows", [("padded", False), ("paged", True)])
+def test_where_kv_grows_is_the_backends_to_say(tiny_model, backend, grows):
+    engine = make_engine(tiny_model, backend=backend)
+    assert engine.scheduler.backend.kv_grows_in_pool is grows
