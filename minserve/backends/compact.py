@@ -96,7 +96,13 @@ class CompactLlama:
         self.layers = [self._fuse(layer) for layer in inner.layers]
         head = self.lm_head
         self.head = Linear(head.weight, head.bias)  # (V, E): prepacked apart from the embedding
-        self.cos, self.sin = self._rope_tables(inner.rotary_emb, max_model_len)  # (P, D) each
+        self.cos, sin = self._rope_tables(inner.rotary_emb, max_model_len)  # (P, D) each
+        # RoPE rotates x = [x1 | x2] into x * cos + [-x2 | x1] * sin (HF's rotate_half).
+        # The same, with the minus sign moved into a table: x * cos + roll(x) * sin_signed,
+        # roll(x) = [x2 | x1] and sin_signed = [-sin1 | sin2]: 4 operators instead of 7,
+        # and the same floats (a negation is exact).
+        half = sin.shape[-1] // 2
+        self.sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # (P, D)
         self.scale = self.head_dim ** -0.5
 
     @staticmethod
@@ -136,9 +142,9 @@ class CompactLlama:
         return emb.cos() * scaling, emb.sin() * scaling  # float32; cast per forward, as HF does
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """HF's LlamaRMSNorm, op for op (so fp32 results are bit-equal): x / rms(x) * w."""
-        variance = x.float().pow(2).mean(-1, keepdim=True)  # (N, 1)
-        return weight * (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype)
+        """HF's LlamaRMSNorm: x / rms(x) * w, normalised in float32 as HF does. For fp32
+        `F.rms_norm` gives HF's result bit for bit, in one operator instead of six."""
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx: PagedForward,
@@ -151,14 +157,14 @@ class CompactLlama:
         x = F.embedding(ids.reshape(N), self.embed)  # (N, E): flat tokens, row after row
         pos = positions.reshape(N)
         cos = self.cos[pos].unsqueeze(1).to(x.dtype)  # (N, 1, D): broadcasts over heads
-        sin = self.sin[pos].unsqueeze(1).to(x.dtype)
+        sin = self.sin_signed[pos].unsqueeze(1).to(x.dtype)
         for i, w in enumerate(self.layers):
             # --- attention block: x + o_proj(attention(rope(q), rope(k), v)) -------------
             h = self._rms_norm(x, w["ln1"])  # (N, E)
             qkv = w["qkv"](h)  # (N, (H + 2*H_kv) * D)
             qk = qkv[:, :(H + H_kv) * D].view(N, H + H_kv, D)  # q heads then k heads
             v = qkv[:, (H + H_kv) * D:].view(N, H_kv, D)  # (N, H_kv, D)
-            qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k at once: (N, H + H_kv, D)
+            qk = qk * cos + qk.roll(D // 2, dims=-1) * sin  # RoPE on q and k: (N, H + H_kv, D)
             q = qk[:, :H].view(B, T, H, D).transpose(1, 2)  # (B, H, T, D): the HF layout
             k = qk[:, H:].view(B, T, H_kv, D).transpose(1, 2)  # (B, H_kv, T, D)
             v = v.view(B, T, H_kv, D).transpose(1, 2)  # (B, H_kv, T, D)
@@ -209,9 +215,3 @@ class Linear:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias,
                                                   "none", [], "")
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(..., D) -> (-x[D/2:], x[:D/2]): RoPE's rotation in HF's half-split layout."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
