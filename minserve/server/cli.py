@@ -54,8 +54,9 @@ from .limits import ServerLimits
 SERVING_DEFAULTS: dict[str, Any] = {
     # serving speed (docs/benchmarks.md, "Side by side"): blocks with prefix caching,
     # the compact forward where it runs the model, prompt chunks inside the decode forward
+    # and room for 64 rows in 2,048 blocks of 16 tokens (1.5 GB of KV for SmolLM2-135M)
     "backend": "paged", "model_runner": "auto", "prefill_mode": "mixed_batch",
-    "prefill_chunk_size": 256, "max_batch_size": 32,
+    "prefill_chunk_size": 256, "max_batch_size": 64, "num_blocks": 2048,
     # a shared server (issue 23): no request, tenant or session takes the whole batch
     "max_request_kv_share": 0.5, "max_tenant_kv_share": 0.5, "max_rows_per_session": 4}
 CHOICES = {"policy": POLICIES, "backend": BACKENDS, "dtype": DTYPES, "admission": ADMISSIONS,
