@@ -156,3 +156,17 @@ def test_compact_bench_times_pure_decode_ticks_of_both_runners():
     r = measure(tiny("llama"), None, B=2, prompt_len=12, ticks=2, warmup=1)
     assert r["B"] == 2 and min(r["hf"], r["compact"], r["floor"]) > 0
     assert set(r["shares"]) and 0 < sum(r["shares"].values()) <= 1
+
+
+def test_linear_bench_times_the_same_products_both_ways():
+    """The linear benchmark's plain weights are the prepacked ones unpacked: same math."""
+    from minserve.bench.linear_bench import measure, weight_pairs
+
+    runner = CompactLlama(tiny("llama"), max_model_len=64)
+    pairs = weight_pairs(runner)
+    assert len(pairs) == 4 * len(runner.layers) + 1  # every projection and the output head
+    for w, lin in pairs:
+        x = torch.randn(3, lin.shape[1])
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+    r = measure(runner, B=2, rounds=1)
+    assert set(r) == {"F.linear", "prepacked"} and min(r.values()) > 0

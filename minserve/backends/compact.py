@@ -190,8 +190,8 @@ class Linear:
     Why: at decode batch sizes PyTorch's default CPU matmul reads the weights poorly.
     oneDNN with the weight reordered ONCE into its blocked layout (the op PyTorch's own
     compiler emits for a frozen linear layer on CPU, `mkldnn._linear_pointwise`, and the
-    kind of kernel vLLM's CPU build calls) ran SmolLM2's linear layers 1.3-2x faster
-    at batch 1-64 on 2 cores (docs/benchmarks.md, "Linear layers"). Same product, another
+    kind of kernel vLLM's CPU build calls) ran SmolLM2's linear layers 1.6-2.7x faster
+    at batch 1-64 on one core (docs/benchmarks.md, "Linear layers"). Same product, another
     summation order: logits agree to float rounding, not bit for bit (the oracle tests
     compare tokens). Without oneDNN (a GPU, a build without it, another dtype) it is
     plain `F.linear`.

@@ -29,7 +29,8 @@ import torch
 from .docs_report import machine_line, publish
 
 GROUPS = {
-    "weight matmuls (linear layers + head)": ("aten::mm", "aten::addmm"),
+    "weight matmuls (linear layers + head)": ("aten::mm", "aten::addmm",
+                                              "mkldnn::_linear_pointwise"),
     "KV gather / write (paged pool)": ("aten::index_select", "aten::index_copy_"),
     "attention math": ("aten::bmm", "aten::_softmax", "aten::masked_fill_",
                        "aten::_scaled_dot_product_flash_attention_for_cpu"),
