@@ -152,3 +152,18 @@ def test_a_shared_server_caps_one_request_one_tenant_and_one_session_by_default(
     assert (served.max_request_kv_share, served.max_tenant_kv_share,
             served.max_rows_per_session) == (0.5, 0.5, 4)
     assert EngineConfig().max_request_kv_share == 1.0  # a notebook's engine: no cap
+
+
+def test_serve_says_what_the_engine_runs_on(tiny_model):
+    """The start-up line a benchmark or a bug report needs: backend, forward, batch, threads."""
+    from minserve import Engine
+    from minserve.server.cli import engine_line
+
+    paged = Engine(EngineConfig(device="cpu", backend="paged", model_runner="auto",
+                                prefill_mode="mixed_batch", prefill_chunk_size=16,
+                                max_batch_size=4, num_blocks=32), model=tiny_model)
+    line = engine_line(paged)
+    assert "paged backend, compact forward, mixed_batch prefill (chunks of 16)" in line
+    assert "up to 4 rows, 32 KV blocks of 16" in line and "torch thread" in line
+    padded = Engine(EngineConfig(device="cpu"), model=tiny_model)
+    assert "padded backend, HF model, monolithic prefill (chunks of whole prompts)" in engine_line(padded)

@@ -276,6 +276,7 @@ def serve(args: argparse.Namespace) -> int:
             and not api_keys):
         print(f"warning: serving on {settings['host']} without --api-key: anyone who can reach "
               "this port can use the model", file=sys.stderr)
+    print(engine_line(engine), file=sys.stderr)
     print(tenancy_line(api_keys, settings["api_key"], args.allow_priority), file=sys.stderr)
     app = create_app(engine, api_key=settings["api_key"], retry_after_s=args.retry_after,
                      default_max_tokens=args.default_max_tokens,
@@ -288,6 +289,19 @@ def serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C during the drain: as uvicorn.run does
         pass
     return 0
+
+
+def engine_line(engine) -> str:
+    """What the engine runs on, in one line: what a benchmark or a bug report needs."""
+    import torch
+
+    c = engine.config
+    runner = "HF model" if getattr(engine.scheduler.backend, "runner", None) is None \
+        else "compact forward"
+    return (f"engine: {c.backend} backend, {runner}, {c.prefill_mode} prefill "
+            f"(chunks of {c.prefill_chunk_size or 'whole prompts'}), up to {c.max_batch_size} "
+            f"rows, {engine.num_blocks} KV blocks of {c.block_size}, "
+            f"{torch.get_num_threads()} torch thread(s)")
 
 
 def tenancy_line(api_keys, api_key, allow_priority: bool) -> str:
