@@ -74,9 +74,9 @@ def _rope_parameters(config) -> dict:
 class CompactLlama:
     """The Llama-family forward over the paged KV pool: `forward(ids, positions, ctx, keep)`.
 
-    Built from a loaded HF `*ForCausalLM`; keeps its own fused copies of the projection
-    weights (for SmolLM2-135M ~70 M floats, 280 MB in fp32) and shares the rest
-    (embedding, norms, output head) with the HF model.
+    Built from a loaded HF `*ForCausalLM`; keeps its own fused, prepacked copies of the
+    projection weights and the output head (`Linear`; for SmolLM2-135M ~135 M floats,
+    540 MB in fp32) and shares the rest (embedding, norms) with the HF model.
     """
 
     def __init__(self, model: torch.nn.Module, max_model_len: int) -> None:
@@ -92,10 +92,9 @@ class CompactLlama:
         inner = model.model  # LlamaModel: embed_tokens, layers, norm, rotary_emb
         self.embed = inner.embed_tokens.weight  # (V, E)
         self.final_norm = inner.norm.weight  # (E,)
-        self.lm_head = model.get_output_embeddings()  # Linear E -> V (tied to embed or not)
         self.layers = [self._fuse(layer) for layer in inner.layers]
-        head = self.lm_head
-        self.head = Linear(head.weight, head.bias)  # (V, E): prepacked apart from the embedding
+        head = model.get_output_embeddings()  # Linear E -> V (tied to the embedding or not)
+        self.head = Linear(head.weight, head.bias)  # (V, E): a prepacked copy
         self.cos, sin = self._rope_tables(inner.rotary_emb, max_model_len)  # (P, D) each
         # RoPE rotates x = [x1 | x2] into x * cos + [-x2 | x1] * sin (HF's rotate_half).
         # The same, with the minus sign moved into a table: x * cos + roll(x) * sin_signed,
