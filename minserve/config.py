@@ -33,6 +33,7 @@ POLICIES = ("fcfs", "fair")
 ADMISSIONS = ("reserve", "preempt")
 BACKENDS = ("padded", "paged")
 MODEL_RUNNERS = ("hf", "compact", "auto")
+DECODE_ATTENTIONS = ("torch", "kernel", "auto")
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -81,6 +82,10 @@ class EngineConfig:
     # "compact" (backends/compact.py: the Llama family written out; faster on CPU), or
     # "auto": compact on the paged backend when it can run the model, else hf.
     model_runner: str = "hf"
+    # Who computes a decode step's attention on the paged backend: "torch" (paged.py, the
+    # readable version), "kernel" (backends/decode_kernel.c, built on first use: reads the
+    # blocks in place; CPU, float32) or "auto": the kernel where it runs, else torch.
+    decode_attention: str = "torch"
 
     # --- prefill (C) ---------------------------------------------------------------
     prefill_mode: str = ""  # "" -> derived from prefill_chunk_size (C2)
@@ -118,6 +123,10 @@ class EngineConfig:
         need(self.model_runner != "compact" or self.backend == "paged",
              f"model_runner={self.model_runner!r} runs on backend='paged', not "
              f"backend={self.backend!r}")
+        need(self.decode_attention in DECODE_ATTENTIONS,
+             f"decode_attention={self.decode_attention!r}; use one of {DECODE_ATTENTIONS}")
+        need(self.decode_attention != "kernel" or self.backend == "paged",
+             f"decode_attention='kernel' runs on backend='paged', not backend={self.backend!r}")
         need(_pos_int(self.block_size), f"block_size={self.block_size!r}; use an int >= 1")
         need(self.num_blocks is None or _pos_int(self.num_blocks),
              f"num_blocks={self.num_blocks!r}; use an int >= 1, or None to derive it")

@@ -69,6 +69,14 @@ class RowGroup:
     read_blocks: torch.Tensor  # (B, M) block ids of each row's tokens P*S..(P+M)*S-1 (padded)
     attn_mask: torch.Tensor  # (B, 1, T, M*S) bool: may query t of row b see key P*S + l?
     shared_blocks: torch.Tensor | None = None  # (P,) the blocks every row's table starts with
+    # decode (T = 1): the same mask as numbers to add to the scores, 0 (visible) or -inf,
+    # one row per (KV head, row): (H_kv * B, 1, M*S). Built once per forward, used by
+    # every layer's `baddbmm` (see `_attend`).
+    decode_bias: torch.Tensor | None = None
+    # decode with the C kernel (decode_kernel.py): tokens each row holds after this
+    # forward, (B,) int64; `read_blocks` is then each row's whole table (no shared prefix
+    # split: the kernel reads a shared block from the CPU's cache for every row)
+    lengths: torch.Tensor | None = None
 
 
 @dataclass
@@ -86,41 +94,45 @@ class PagedForward:
     storage: KVBlockStorage
     write_slots: torch.Tensor  # (N,) pool slot of each new token, in flat token order
     groups: list[RowGroup]
+    kernel: Any = None  # a decode_kernel.DecodeKernel: decode groups attend in C
 
     @classmethod
     def build(cls, storage: KVBlockStorage, block_tables: list[list[int]],
-              positions: torch.Tensor) -> PagedForward:
+              positions: torch.Tensor, kernel: Any = None) -> PagedForward:
         """A plain batch: `positions` (B, T), the token index in its row of every new token."""
         starts = positions[:, 0].tolist()
         T = positions.shape[1]
-        return cls.build_rows(storage, [(table, s, T) for table, s in zip(block_tables, starts)])
+        return cls.build_rows(storage, [(table, s, T) for table, s in zip(block_tables, starts)],
+                              kernel)
 
     @classmethod
-    def build_rows(cls, storage: KVBlockStorage,
-                   rows: list[tuple[list[int], int, int]]) -> PagedForward:
+    def build_rows(cls, storage: KVBlockStorage, rows: list[tuple[list[int], int, int]],
+                   kernel: Any = None) -> PagedForward:
         """`rows`: (block table, first new position, T new tokens) per row, in flat token
-        order; rows with the same T must be consecutive (they form one group)."""
+        order; rows with the same T must be consecutive (they form one group). `kernel`:
+        decode groups attend with it (decode_kernel.py) instead of `_attend`'s PyTorch."""
         write = [storage.slot_mapping(table, s, s + T) for table, s, T in rows]
         groups, offset, i = [], 0, 0
         while i < len(rows):
             j = i
             while j < len(rows) and rows[j][2] == rows[i][2]:
                 j += 1
-            groups.append(cls._group(storage, rows[i:j], offset))
+            groups.append(cls._group(storage, rows[i:j], offset, kernel is not None))
             offset += (j - i) * rows[i][2]
             i = j
-        return cls(storage, torch.cat(write), groups)
+        return cls(storage, torch.cat(write), groups, kernel)
 
     @staticmethod
     def _group(storage: KVBlockStorage, rows: list[tuple[list[int], int, int]],
-               offset: int) -> RowGroup:
+               offset: int, kernel: bool = False) -> RowGroup:
         B, T = len(rows), rows[0][2]
         ends = [s + T for _, s, _ in rows]  # tokens each row holds after this forward
         for b, ((table, _, _), n) in enumerate(zip(rows, ends)):
             if n > len(table) * storage.block_size:
                 raise ValueError(f"row {b} needs {n} tokens; its table has {len(table)} blocks")
         S = storage.block_size
-        P = _shared_prefix_blocks(rows, S) if B > 1 and T == 1 else 0
+        in_c = kernel and T == 1  # decode_kernel.c attends: it reads whole tables in place
+        P = _shared_prefix_blocks(rows, S) if B > 1 and T == 1 and not in_c else 0
         # Every row's block table past the shared prefix in one padded tensor (B, need);
         # past a row's last block, block 0: real memory, masked below.
         need = -(-max(ends) // S) - P  # blocks covering the longest row, after the prefix
@@ -138,8 +150,17 @@ class PagedForward:
         positions = torch.tensor([[s + t for t in range(T)] for _, s, _ in rows])  # (B, T)
         mask = key_pos[None, None, :] <= positions[:, :, None]  # (B, T, L_pad)
         shared = torch.tensor(rows[0][0][:P], dtype=torch.long, device=storage.device) if P else None
+        bias = lengths = None
+        if in_c:  # the kernel reads raw pool addresses: no id may point outside the pool
+            if not 0 <= int(tables.min()) <= int(tables.max()) < storage.num_blocks:
+                raise ValueError(f"a block table names a block outside 0..{storage.num_blocks - 1}")
+            lengths = torch.tensor(ends, dtype=torch.long)
+        elif T == 1:  # (B, 1, L_pad) -> (H_kv, B, 1, L_pad) -> (H_kv * B, 1, L_pad), head-major
+            bias = torch.zeros(mask.shape, dtype=storage.dtype).masked_fill_(~mask, float("-inf"))
+            bias = bias.expand(storage.num_kv_heads, *bias.shape).reshape(-1, 1, bias.shape[-1])
+            bias = bias.to(storage.device)
         return RowGroup(offset, B, T, tables.to(storage.device),
-                        mask.unsqueeze(1).to(storage.device), shared)
+                        mask.unsqueeze(1).to(storage.device), shared, bias, lengths)
 
 
 def _shared_prefix_blocks(rows: list[tuple[list[int], int, int]], block_size: int) -> int:
@@ -203,6 +224,11 @@ def _attend(ctx: PagedForward, layer: int, g: RowGroup, query: torch.Tensor, H_k
             scale: float) -> torch.Tensor:
     """One group's attention over its rows' histories: q (B, H, T, D) -> (B, T, H, D)."""
     B, H, T, D = query.shape
+    if g.lengths is not None:  # decode in C (decode_kernel.c): the blocks read in place
+        k_pool, v_pool = ctx.storage.flat(layer)  # (H_kv, num_blocks * S, D) each
+        out = ctx.kernel.attend(query.reshape(B, H, D), k_pool, v_pool, g.read_blocks,
+                                g.lengths, scale, ctx.storage.block_size)  # (B, H, D)
+        return out.view(B, 1, H, D)
     # 2. Gather: every row's whole history, block by block, padded to L_pad = M*S in
     #    this temporary only (the pool has no padding). A fused PagedAttention kernel
     #    reads the blocks in place; one gather per layer + one batched attention is
@@ -216,18 +242,20 @@ def _attend(ctx: PagedForward, layer: int, g: RowGroup, query: torch.Tensor, H_k
             scale=scale, enable_gqa=H != H_kv)  # (B, H, T, D)
         return out.transpose(1, 2)  # (B, T, H, D)
     # 3. GQA without copying K/V G = H / H_kv times (what HF's repeat_kv does): query
-    #    head h reads KV head h // G, so the G query heads of one KV head, and their T
-    #    tokens, are stacked as G*T rows of one matmul against that head's keys.
-    G = H // H_kv
-    q = query.reshape(B, H_kv, G * T, D).transpose(0, 1)  # (H_kv, B, G*T, D); h = kv*G + g
-    # 4. Decode (T = 1): attention written out (it is what HF's eager path does), batched
-    #    over (H_kv, B). Here it beat F.sdpa, whose CPU kernel is tuned for long queries.
-    scores = (q @ k.transpose(-1, -2)) * scale  # (H_kv, B, G*T, D) @ (H_kv, B, D, L)
-    scores = scores.view(H_kv, B, G, T, -1).masked_fill(  # mask (B, 1, T, L), per head
-        ~g.attn_mask, float("-inf")).view(H_kv, B, G * T, -1)
+    #    head h reads KV head h // G, so the G query heads of one KV head are stacked as
+    #    G rows of one matmul against that head's keys. Decode has T = 1 here.
+    G, L = H // H_kv, k.shape[2]
+    q = query.reshape(B, H_kv, G, D).transpose(0, 1).reshape(H_kv * B, G, D)  # h = kv*G + g
+    k, v = k.view(H_kv * B, L, D), v.view(H_kv * B, L, D)  # (H_kv*B, L, D): views
+    # 4. Decode: attention written out (HF's eager path), one batched matmul per product
+    #    over the (KV head, row) pairs; it beat F.sdpa, whose CPU kernel is tuned for long
+    #    queries. The scale and the mask ride in the first matmul: baddbmm computes
+    #    bias + scale * (q @ k^T), with bias 0 where a key is visible and -inf where it is
+    #    padding (`RowGroup.decode_bias`), one operator instead of three.
+    scores = torch.baddbmm(g.decode_bias, q, k.transpose(1, 2), alpha=scale)  # (H_kv*B, G, L)
     if g.shared_blocks is None:
-        probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)  # (H_kv, B, G*T, L)
-        out = probs @ v  # (H_kv, B, G*T, L) @ (H_kv, B, L, D) -> (H_kv, B, G*T, D)
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)  # (H_kv*B, G, L)
+        out = torch.bmm(probs, v)  # (H_kv*B, G, L) @ (H_kv*B, L, D) -> (H_kv*B, G, D)
     else:
         # 5. A shared prefix (P blocks every row starts with, `_shared_prefix_blocks`):
         #    its keys are read once, and ALL rows' queries meet them in one matmul, as
@@ -236,15 +264,15 @@ def _attend(ctx: PagedForward, layer: int, g: RowGroup, query: torch.Tensor, H_k
         #    the rows' own ones side by side, so the result is the same attention.
         #        keys of row b:  [ shared prefix, P*S | row b's own blocks, L ]
         k_s, v_s = ctx.storage.read_shared(layer, g.shared_blocks)  # (H_kv, P*S, D) each
-        q_all = q.reshape(H_kv, B * G * T, D)  # every row's queries stacked
-        shared = (q_all @ k_s.transpose(-1, -2)) * scale  # (H_kv, B*G*T, P*S)
-        n_s = shared.shape[-1]
-        probs = torch.cat([shared.view(H_kv, B, G * T, n_s), scores], dim=-1).softmax(
-            dim=-1, dtype=torch.float32).to(query.dtype)  # (H_kv, B, G*T, P*S + L)
-        out = (probs[..., :n_s].reshape(H_kv, B * G * T, n_s) @ v_s).view(H_kv, B, G * T, D)
-        out = out + probs[..., n_s:] @ v  # + (H_kv, B, G*T, L) @ (H_kv, B, L, D)
-    out = out.view(H_kv, B, G, T, D).permute(1, 3, 0, 2, 4)  # (B, T, H_kv, G, D)
-    return out.reshape(B, T, H, D)  # heads h = kv*G + g
+        q_all = q.view(H_kv, B * G, D)  # every row's queries stacked, per KV head
+        n_s = k_s.shape[1]
+        shared = torch.bmm(q_all, k_s.transpose(1, 2)).mul_(scale)  # (H_kv, B*G, P*S)
+        probs = torch.cat([shared.view(H_kv * B, G, n_s), scores], dim=-1).softmax(
+            dim=-1, dtype=torch.float32).to(query.dtype)  # (H_kv*B, G, P*S + L)
+        out = torch.bmm(probs[..., :n_s].reshape(H_kv, B * G, n_s), v_s).view(H_kv * B, G, D)
+        out = out + torch.bmm(probs[..., n_s:], v)  # + (H_kv*B, G, L) @ (H_kv*B, L, D)
+    out = out.view(H_kv, B, G, D).transpose(0, 1)  # (B, H_kv, G, D)
+    return out.reshape(B, 1, H, D)  # (B, T=1, H, D), heads h = kv*G + g
 
 
 def install_paged_attention(model: torch.nn.Module) -> str | None:
@@ -277,6 +305,9 @@ class PagedBackend(Backend):
     `forward(ids, positions, ctx, logits_to_keep)` does it over this pool:
     `compact.CompactLlama`, the Llama family's forward written out (faster on CPU;
     `EngineConfig(model_runner="compact")` builds one).
+
+    `kernel`: None, decode attention in PyTorch (`_attend`), or a
+    `decode_kernel.DecodeKernel` that decode steps attend with (`decode_attention`).
     """
 
     name = "paged"
@@ -286,10 +317,11 @@ class PagedBackend(Backend):
 
     def __init__(self, model: torch.nn.Module, block_manager: BlockManager,
                  storage: KVBlockStorage | None = None, max_model_len: int | None = None,
-                 runner: Any = None) -> None:
+                 runner: Any = None, kernel: Any = None) -> None:
         bm = block_manager
         refuse_unsupported(model, "paged", max_model_len)
         self.runner = runner  # None: the HF model's own forward
+        self.kernel = kernel  # None: decode attention in PyTorch
         self.storage = storage or KVBlockStorage.for_model(model, bm.num_blocks, bm.block_size)
         if (self.storage.num_blocks, self.storage.block_size) != (bm.num_blocks, bm.block_size):
             raise ValueError(f"storage is {self.storage.num_blocks} x {self.storage.block_size}, "
@@ -414,7 +446,7 @@ class PagedBackend(Backend):
                 keep.append(len(ids) - 1)
         if not rows:
             return torch.zeros(0, self.vocab_size), []
-        ctx = PagedForward.build_rows(self.storage, rows)
+        ctx = PagedForward.build_rows(self.storage, rows, self.kernel)
         logits = self._run(torch.tensor([ids], device=self.device),  # (1, N)
                            torch.tensor([positions], device=self.device), ctx,
                            torch.tensor(keep or [len(ids) - 1]))[0]  # (len(keep), V)
@@ -438,7 +470,7 @@ class PagedBackend(Backend):
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor,
                  tables: list[list[int]]) -> torch.Tensor:
         """One forward of the HF model over ids (B, T); last position's logits (B, V) float32."""
-        ctx = PagedForward.build(self.storage, tables, positions)
+        ctx = PagedForward.build(self.storage, tables, positions, self.kernel)
         return self._run(ids, positions, ctx, 1)[:, -1]  # (B, 1, V) -> (B, V)
 
     @torch.inference_mode()

@@ -34,6 +34,7 @@ from typing import Any
 from ..config import (
     ADMISSIONS,
     BACKENDS,
+    DECODE_ATTENTIONS,
     DTYPES,
     MODEL_RUNNERS,
     POLICIES,
@@ -53,14 +54,17 @@ from .limits import ServerLimits
 # request never holds everybody out; and one session holds at most half the batch rows.
 SERVING_DEFAULTS: dict[str, Any] = {
     # serving speed (docs/benchmarks.md, "Side by side"): blocks with prefix caching,
-    # the compact forward where it runs the model, prompt chunks inside the decode forward
+    # the compact forward where it runs the model, decode attention in C where it can be
+    # built (backends/decode_kernel.c), prompt chunks inside the decode forward
     # and room for 64 rows in 2,048 blocks of 16 tokens (1.5 GB of KV for SmolLM2-135M)
-    "backend": "paged", "model_runner": "auto", "prefill_mode": "mixed_batch",
+    "backend": "paged", "model_runner": "auto", "decode_attention": "auto",
+    "prefill_mode": "mixed_batch",
     "prefill_chunk_size": 256, "max_batch_size": 64, "num_blocks": 2048,
     # a shared server (issue 23): no request, tenant or session takes the whole batch
     "max_request_kv_share": 0.5, "max_tenant_kv_share": 0.5, "max_rows_per_session": 4}
 CHOICES = {"policy": POLICIES, "backend": BACKENDS, "dtype": DTYPES, "admission": ADMISSIONS,
-           "model_runner": MODEL_RUNNERS, "prefill_mode": tuple(m.value for m in PrefillMode)}
+           "model_runner": MODEL_RUNNERS, "decode_attention": DECODE_ATTENTIONS,
+           "prefill_mode": tuple(m.value for m in PrefillMode)}
 SERVER_ENV = {"host": "MINSERVE_HOST", "port": "MINSERVE_PORT", "api_key": "MINSERVE_API_KEY",
               "api_keys_file": "MINSERVE_API_KEYS_FILE"}
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -296,12 +300,14 @@ def engine_line(engine) -> str:
     import torch
 
     c = engine.config
-    runner = "HF model" if getattr(engine.scheduler.backend, "runner", None) is None \
-        else "compact forward"
+    backend = engine.scheduler.backend
+    runner = "HF model" if getattr(backend, "runner", None) is None else "compact forward"
     return (f"engine: {c.backend} backend, {runner}, {c.prefill_mode} prefill "
             f"(chunks of {c.prefill_chunk_size or 'whole prompts'}), up to {c.max_batch_size} "
             f"rows, {engine.num_blocks} KV blocks of {c.block_size}, "
-            f"{torch.get_num_threads()} torch thread(s)")
+            f"{torch.get_num_threads()} torch thread(s)"
+            + (f", decode attention in {'C' if backend.kernel else 'PyTorch'}"
+               if c.backend == "paged" else ""))
 
 
 def tenancy_line(api_keys, api_key, allow_priority: bool) -> str:

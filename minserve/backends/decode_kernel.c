@@ -1,0 +1,121 @@
+/* The decode step's attention over block tables, read in place: minserve's one C file.
+
+   What it computes is `paged._attend` for T = 1 (one new token per row), the readable
+   PyTorch version and the reference this kernel is tested against
+   (tests/test_decode_kernel.py). Why it exists: on a CPU that version spends most of
+   its time in copies and in call overhead, not in arithmetic. It gathers every row's
+   blocks into a padded (H_kv, B, L, D) tensor per layer (a copy of the whole history),
+   then runs two batched matmuls whose B * H_kv small products (3 x 64 @ 64 x L) cost
+   far more per call than their floating-point work. Here each row's keys and values
+   are read where they lie in the pool, once, with no padding, and the G query heads
+   that share a KV head share each load. PagedAttention's CUDA kernel and vLLM's CPU
+   one do the same (Kwon et al., SOSP 2023). Softmax stays in PyTorch, between the two
+   functions: its vectorised exp is as exact as HF's.
+
+   Layouts (float32, C order), as kv_storage.KVBlockStorage keeps them:
+
+       pool      (H_kv, num_blocks * S, D)  one layer's K (or V); token t of a row is
+                                             slot table[t / S] * S + t % S
+       q         (B, H, D)                  query head h reads KV head h / G, G = H / H_kv
+       tables    (B, M) int64               each row's block table, padded with any valid id
+       lens      (B,) int64                 tokens each row holds (its own token included)
+       scores    (B, H, M * S)              -inf past a row's length, so softmax ignores it
+       probs     (B, H, M * S)              softmax(scores)
+       out       (B, H, D)
+
+   D must be a multiple of 8: the inner loops work on 8 floats at a time (`v8`, one AVX
+   register; GCC and Clang map the vector type onto whatever the CPU has). Built once on
+   first use with the machine's C compiler (decode_kernel.py); nothing here is
+   CUDA-only, and without a compiler the engine runs the PyTorch version. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32)));  /* 8 floats */
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline v8 load8(const float *p) { v8 x; memcpy(&x, p, sizeof x); return x; }
+
+static inline float hsum8(v8 x) {  /* a tree of adds, not a chain of 7 dependent ones */
+    v4 lo = {x[0], x[1], x[2], x[3]}, hi = {x[4], x[5], x[6], x[7]}, s = lo + hi;
+    return (s[0] + s[2]) + (s[1] + s[3]);
+}
+
+static inline float dot(const float *a, const float *b, int D) {
+    v8 acc = {0};
+    for (int d = 0; d < D; d += 8) acc += load8(a + d) * load8(b + d);
+    return hsum8(acc);
+}
+
+/* scores[b, h, t] = scale * q[b, h] . K[h / G][slot of token t of row b], t < lens[b] */
+void decode_scores(const float *q, const float *k_pool, const int64_t *tables,
+                   const int64_t *lens, int B, int H, int H_kv, int D, int64_t num_slots,
+                   int S, int M, float scale, float *scores) {
+    const int G = H / H_kv;
+    const int64_t L = (int64_t)M * S;
+    for (int b = 0; b < B; b++) {
+        const int64_t len = lens[b];
+        for (int hk = 0; hk < H_kv; hk++) {
+            const float *kh = k_pool + (int64_t)hk * num_slots * D;  /* this head's slots */
+            const float *qh = q + ((int64_t)b * H + hk * G) * D;      /* (G, D) */
+            float *out = scores + ((int64_t)b * H + hk * G) * L;      /* (G, L) */
+            for (int g = 0; g < G; g++)
+                for (int64_t t = len; t < L; t++) out[g * L + t] = -INFINITY;
+            for (int j = 0; (int64_t)j * S < len; j++) {   /* block j of the row's table */
+                const float *kb = kh + tables[(int64_t)b * M + j] * S * D;  /* (S, D) */
+                const int n = len - (int64_t)j * S < S ? (int)(len - (int64_t)j * S) : S;
+                for (int g = 0; g < G; g++) {
+                    const float *qv = qh + g * D;
+                    float *o = out + g * L + (int64_t)j * S;
+                    int s = 0;
+                    for (; s + 4 <= n; s += 4) {  /* 4 keys at a time: 4 independent sums */
+                        const float *k0 = kb + s * D;
+                        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                        for (int d = 0; d < D; d += 8) {
+                            const v8 qd = load8(qv + d);
+                            a0 += qd * load8(k0 + d);
+                            a1 += qd * load8(k0 + D + d);
+                            a2 += qd * load8(k0 + 2 * D + d);
+                            a3 += qd * load8(k0 + 3 * D + d);
+                        }
+                        o[s] = hsum8(a0) * scale;
+                        o[s + 1] = hsum8(a1) * scale;
+                        o[s + 2] = hsum8(a2) * scale;
+                        o[s + 3] = hsum8(a3) * scale;
+                    }
+                    for (; s < n; s++) o[s] = dot(qv, kb + s * D, D) * scale;
+                }
+            }
+        }
+    }
+}
+
+/* out[b, h] = sum over t < lens[b] of probs[b, h, t] * V[h / G][slot of token t of row b] */
+void decode_values(const float *probs, const float *v_pool, const int64_t *tables,
+                   const int64_t *lens, int B, int H, int H_kv, int D, int64_t num_slots,
+                   int S, int M, float *out) {
+    const int G = H / H_kv;
+    const int64_t L = (int64_t)M * S;
+    for (int b = 0; b < B; b++) {
+        const int64_t len = lens[b];
+        for (int h = 0; h < H; h++) {
+            const float *vh = v_pool + (int64_t)(h / G) * num_slots * D;
+            const float *p = probs + ((int64_t)b * H + h) * L;  /* (L,) */
+            float *o = out + ((int64_t)b * H + h) * D;          /* (D,) */
+            for (int d0 = 0; d0 < D; d0 += 64) {  /* 64 floats of the output, in registers */
+                const int w = D - d0 < 64 ? D - d0 : 64;
+                v8 acc[8] = {{0}};
+                for (int j = 0; (int64_t)j * S < len; j++) {
+                    const float *vb = vh + tables[(int64_t)b * M + j] * S * D + d0;
+                    const int n = len - (int64_t)j * S < S ? (int)(len - (int64_t)j * S) : S;
+                    for (int s = 0; s < n; s++) {
+                        const float pw = p[(int64_t)j * S + s];
+                        for (int i = 0; i < w / 8; i++) acc[i] += pw * load8(vb + s * D + 8 * i);
+                    }
+                }
+                memcpy(o + d0, acc, sizeof(float) * w);
+            }
+        }
+    }
+}

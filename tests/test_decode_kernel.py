@@ -1,0 +1,134 @@
+"""`decode_attention="kernel"` (backends/decode_kernel.c): the decode step's attention in C,
+reading each row's blocks in place, must compute what `paged._attend` computes (to float
+rounding) and give Hugging Face `generate`'s tokens (SPEC B2). Where it cannot run it is
+refused at construction ("kernel") or left out ("auto"), never half-used."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minserve import EngineConfig, SamplingParams
+from minserve.backends import decode_kernel
+from minserve.backends.kv_storage import KVBlockStorage
+from minserve.backends.paged import PagedForward, _attend
+from minserve.models import tiny_llama
+
+from .conftest import hf_greedy, make_engine, run_checked
+from .test_oracle import TINY_PROMPTS
+
+
+def _ragged_rows(rng: torch.Generator, B: int, S: int, shared: int, num_blocks: int):
+    """B decode rows: a shared prefix of `shared` blocks, then own blocks scattered over
+    the pool (not in order, not contiguous), each row ending part-way into its last block."""
+    free = torch.randperm(num_blocks - shared, generator=rng) + shared
+    rows, taken = [], 0
+    for _ in range(B):
+        own = int(torch.randint(1, 6, (1,), generator=rng))
+        table = list(range(shared)) + free[taken:taken + own].tolist()
+        taken += own
+        last = len(table) * S - int(torch.randint(1, S + 1, (1,), generator=rng))  # its position
+        rows.append((table, last, 1))
+    return rows
+
+
+@pytest.mark.parametrize("H,H_kv,D", [(4, 2, 16), (9, 3, 64), (4, 4, 8), (6, 1, 72)])
+@pytest.mark.parametrize("B,shared", [(1, 0), (5, 0), (7, 3)])
+def test_kernel_attends_as_the_pytorch_decode_over_ragged_block_tables(H, H_kv, D, B, shared):
+    S, num_blocks = 4, 64
+    storage = KVBlockStorage(num_blocks, S, num_layers=2, num_kv_heads=H_kv, head_dim=D)
+    rng = torch.Generator().manual_seed(H * 100 + B)
+    for t in storage._k + storage._v:
+        t.normal_(generator=rng)
+    rows = _ragged_rows(rng, B, S, shared, num_blocks)
+    kernel = decode_kernel.load()
+    plain = PagedForward.build_rows(storage, rows)
+    in_c = PagedForward.build_rows(storage, rows, kernel)
+    assert in_c.groups[0].lengths.tolist() == [pos + 1 for _, pos, _ in rows]
+    q = torch.randn(B, H, 1, D, generator=rng)
+    for layer in range(2):
+        want = _attend(plain, layer, plain.groups[0], q, H_kv, D ** -0.5)
+        got = _attend(in_c, layer, in_c.groups[0], q, H_kv, D ** -0.5)
+        assert got.shape == want.shape == (B, 1, H, D)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_never_reads_a_block_outside_the_pool():
+    """The C code trusts the block ids it is given (a bad one would read stray memory),
+    so the forward's context refuses them first."""
+    storage = KVBlockStorage(8, 4, 1, 2, 16)
+    with pytest.raises(ValueError, match="outside"):
+        PagedForward.build_rows(storage, [([0, 8], 5, 1)], decode_kernel.load())
+
+
+@pytest.mark.parametrize("cfg", [
+    pytest.param(dict(enable_prefix_caching=True), id="paged+prefix"),
+    pytest.param(dict(prefill_chunk_size=3), id="paged+chunked3"),
+    pytest.param(dict(prefill_mode="mixed_batch", prefill_chunk_size=5,
+                      model_runner="compact"), id="mixed+compact"),
+])
+def test_engine_with_the_kernel_gives_hf_generate_tokens(tiny_model, cfg):
+    engine = make_engine(tiny_model, backend="paged", decode_attention="kernel",
+                         max_batch_size=3, block_size=8, **cfg)
+    assert engine.scheduler.backend.kernel is not None
+    handles = [engine.submit(p, SamplingParams(max_tokens=n)) for p, n in TINY_PROMPTS]
+    run_checked(engine)
+    assert engine.scheduler.is_drained()
+    for (prompt, n), h in zip(TINY_PROMPTS, handles):
+        assert h.output.token_ids == hf_greedy(tiny_model, prompt, n), prompt
+
+
+@pytest.mark.real_model
+def test_kernel_on_smollm2_gives_hf_generate_tokens(real_model, real_oracle):
+    model, tokenizer = real_model
+    engine = make_engine(model, tokenizer, backend="paged", model_runner="compact",
+                         decode_attention="kernel", prefill_mode="mixed_batch",
+                         prefill_chunk_size=32, max_batch_size=4)
+    system = tokenizer("You are a helpful assistant who answers in one sentence.")["input_ids"]
+    prompts = [system + tokenizer(t)["input_ids"] for t in (
+        " The capital of France is", " def fibonacci(n):", " Once upon a time, in a land far",
+        " Water boils at")]
+    handles = [engine.submit(p, SamplingParams(max_tokens=14, ignore_eos=True)) for p in prompts]
+    run_checked(engine)
+    for p, h in zip(prompts, handles):
+        assert h.output.token_ids == real_oracle(p, 14)
+
+
+def test_kernel_is_refused_where_it_cannot_run(tiny_model):
+    with pytest.raises(ValueError, match="backend='paged'"):
+        EngineConfig(backend="padded", decode_attention="kernel")
+    with pytest.raises(ValueError, match="decode_attention"):
+        EngineConfig(decode_attention="fast")
+    assert "float32" in decode_kernel.unsupported_reason(torch.bfloat16, torch.device("cpu"), 64)
+    assert "cuda" in decode_kernel.unsupported_reason(torch.float32, torch.device("cuda"), 64)
+    assert "multiple of 8" in decode_kernel.unsupported_reason(torch.float32, "cpu", 12)
+    assert decode_kernel.unsupported_reason(torch.float32, "cpu", 64) is None
+    with pytest.raises(ValueError, match="float32"):  # the pool takes the model's dtype
+        make_engine(tiny_llama().to(torch.bfloat16), backend="paged", decode_attention="kernel")
+
+
+def test_without_a_compiler_auto_runs_pytorch_and_kernel_says_why(tiny_model, monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.raises(RuntimeError, match="/nonexistent/cc"):
+        decode_kernel.load()
+    auto = make_engine(tiny_model, backend="paged", decode_attention="auto")
+    assert auto.scheduler.backend.kernel is None
+    out = auto.generate([[5, 6, 7]], SamplingParams(max_tokens=4))[0]
+    assert out.token_ids == hf_greedy(tiny_model, [5, 6, 7], 4)
+    with pytest.raises(ValueError, match="cannot run here.*nonexistent"):
+        make_engine(tiny_model, backend="paged", decode_attention="kernel")
+
+
+def test_kernel_is_built_once_and_cached_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINSERVE_CACHE_DIR", str(tmp_path))
+    decode_kernel._load.cache_clear()
+    try:
+        first = decode_kernel.load()
+        assert first.path.parent == tmp_path / "kernels" and first.path.exists()
+        assert decode_kernel.load() is first  # this process: the same object
+        decode_kernel._load.cache_clear()
+        mtime = first.path.stat().st_mtime_ns
+        assert decode_kernel.load().path == first.path  # a new process: the file is reused
+        assert first.path.stat().st_mtime_ns == mtime
+    finally:
+        decode_kernel._load.cache_clear()
