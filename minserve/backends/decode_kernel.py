@@ -102,7 +102,7 @@ def _compiler() -> str:
     return cc
 
 
-@functools.lru_cache(maxsize=None)  # one build per compiler and process; the .so is immutable
+@functools.cache  # one build per compiler and process; the .so is immutable
 def _load(cc: str) -> DecodeKernel:
     from ..models import cache_root
 
