@@ -290,7 +290,7 @@ class Engine:
                 try:
                     self.recover(e)
                 except Exception as e2:  # never let the worker die (issue 23)
-                    from .scheduler import log
+                    from .failures import log
 
                     log.error("recovering from a failed tick raised too", exc_info=e2)
 
@@ -298,7 +298,7 @@ class Engine:
         """What the worker does when a tick raises outside any one row (a policy's
         peek, a bug): log the traceback, fail the rows in flight so everything they
         held goes back (R1, R2), keep serving. Returns how many rows failed."""
-        from .scheduler import log, row_error
+        from .failures import log, row_error
 
         log.error("a tick raised; failing the rows in flight", exc_info=exc)
         self.scheduler.last_error = row_error("a tick", exc)
