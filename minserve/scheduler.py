@@ -60,7 +60,13 @@ from .sampling import Sampler
 
 
 class Scheduler:
+    """The queues, the tick, the reservation. What a lab or a test may swap on one
+    scheduler (each is read at the time of use): `policy`, `admission`, `backend`,
+    `block_manager`, `gates` (the gate functions), `next_chunk` (T2's schedule) and
+    `_promote_to_decode` (the C3 seam)."""
+
     RECENT = 1024  # finished requests `explain` still knows about
+
     def __init__(self, config: EngineConfig, backend: Backend, policy: Policy,
                  kv_budget_tokens: int, block_manager=None) -> None:
         self.config = config
