@@ -125,11 +125,12 @@ class Engine:
     def encode(self, prompt: Prompt) -> list[int]:
         """Text, token ids, or chat messages (through the chat template) -> token ids."""
         text = isinstance(prompt, str)
-        if (text or (len(prompt) and isinstance(prompt[0], dict))) and self.tokenizer is None:
+        chat = not text and len(prompt) and isinstance(prompt[0], dict)
+        if (text or chat) and self.tokenizer is None:
             raise ValueError("this engine has no tokenizer: pass token ids")
         if text:
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        elif len(prompt) and isinstance(prompt[0], dict):
+        elif chat:
             ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
                                                      tokenize=True)
             if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
