@@ -241,11 +241,12 @@ class Scheduler:
         whoever else is prefilling. A tick's prompt work is at most (rows prefilling) x
         chunk, and rows are at most `max_batch_size` (Q3).
 
-        Run (`execute.run_pieces`): monolithic and chunked push all the pieces through ONE
-        forward (`prefill_together`; paged: flattened, padded: left-padded side by
-        side), beside the decode forward. mixed_batch (Version B) runs nothing here: T4
-        carries the planned pieces in the decode forward, one forward per tick in all;
-        their records (`in_decode_forward`) get `first_token` when T4 has run.
+        Run (`execute.run_pieces`): monolithic and chunked push all the pieces through
+        ONE forward (`prefill_together`; paged: flattened, padded: left-padded side by
+        side), beside the decode forward. mixed_batch (Version B) runs nothing here
+        (`execute.defer_to_decode`): T4 carries the planned pieces in the decode
+        forward, one forward per tick in all; their records (`in_decode_forward`) get
+        `first_token` when T4 has run.
 
         On a row's final piece: register its now-computed blocks (K3), sample its first
         token, stream it, and promote it through `_promote_to_decode`.
