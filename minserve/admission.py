@@ -29,6 +29,10 @@ lives in the backend's own tensors. Paged: decode keeps writing into the pool, s
 counts blocks for what G2 counts, net of the blocks running rows will take
 (`blocks_taken`), and preemption also watches the free blocks.
 
+T1 asks the mode whom to admit and what holds it (`choose`: the gates' `verdict` on the
+head, or on another session's request when the head's session or tenant holds its share,
+`share_hold`); explain.py asks the same two questions.
+
 A mode holds no state: each method reads (and preempt changes) the scheduler `s` it is
 given, so a lab that swaps the scheduler's backend, block manager or gates changes what
 admission sees. Preempting goes through the scheduler's own `_release` (the one
@@ -40,13 +44,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+from . import failures
 from .request import FinishReason, Rejection, Request, RequestStatus
 
 
 class Admission(ABC):
     """The contract (see the module docstring). Subclasses state `name`, `per_decode`,
     `need`, `reserve`, `check_kv`, `blocks_taken`, `check_rows`; `make_room` does
-    nothing unless a mode can run out."""
+    nothing unless a mode can run out. `verdict`, `share_hold` and `choose` are T1's
+    questions, the same for every mode: they ask the numbers the mode states."""
 
     name = "base"
     per_decode = 0  # tokens each decode step adds to a row's reservation (R1)
@@ -85,6 +91,50 @@ class Admission(ABC):
     def make_room(self, s) -> list[dict[str, Any]]:
         """Start of T4: make sure this step's new KV fits. Returns the preemptions."""
         return []
+
+    def verdict(self, s, req: Request) -> Rejection | None:
+        """T1's verdict on `req`: a hard reject first (it can never fit: refuse it at once,
+        never hold it behind a full batch or another gate's soft hold, G4), then the soft
+        holds: G2's KV, a batch row, G3's free blocks, asked this mode's numbers."""
+        g2 = self.check_kv(s, req)
+        g3 = self.check_blocks(s, req) if s.block_manager is not None else None
+        for r in (g2, g3):
+            if r is not None and r.hard:
+                return r
+        rows = len(s.prefilling) + len(s.active)
+        return g2 or s.gates.batch_slot_hold(rows, s.config.max_batch_size) or g3
+
+    def share_hold(self, s, req: Request) -> Rejection | None:
+        """`max_rows_per_session`: a session that holds that many rows (prefilling or
+        active) waits while another session's request is admitted ahead of it.
+        `max_tenant_kv_share` (H5): a tenant whose rows reserve that share of the G2
+        budget waits the same way (unless it holds nothing: a request always fits under
+        its own `max_request_kv_share`)."""
+        running = s.prefilling + s.active
+        share = s.config.max_tenant_kv_share
+        if req.tenant is not None and share < 1:
+            held = sum(r.reserved_tokens for r in running if r.tenant == req.tenant)
+            hold = s.gates.tenant_share_hold(held, self.need(req), s.kv_budget_tokens, share)
+            if hold is not None:
+                return hold
+        cap = s.config.max_rows_per_session
+        if cap is None:
+            return None
+        rows = sum(r.session_id == req.session_id for r in running)
+        return s.gates.session_cap_hold(req.session_id, rows, cap)
+
+    def choose(self, s, head: Request) -> tuple[Request, Rejection | None]:
+        """Whom T1 admits next and the verdict on it: the policy's `head`, unless it could
+        pass but its session or tenant holds its share (`share_hold`); then the first
+        waiting request (in the policy's order) of one that does not, if any."""
+        rejection = self.verdict(s, head)
+        if rejection is not None and rejection.hard:
+            return head, rejection
+        held = self.share_hold(s, head)
+        if held is None:
+            return head, rejection
+        other = next((r for r in s.policy if self.share_hold(s, r) is None), None)
+        return (head, held) if other is None else (other, self.verdict(s, other))
 
     @abstractmethod
     def check_rows(self, s) -> None:
@@ -195,7 +245,7 @@ class PreemptAdmission(Admission):
             try:
                 return s.policy.choose_victim(running)
             except Exception as e:
-                s._note_hook_error("choose_victim", e)
+                failures.note_hook_error(s, "choose_victim", e)
                 return max(running, key=lambda r: r.arrival_seq)
 
     @staticmethod
@@ -230,7 +280,7 @@ class PreemptAdmission(Admission):
             except Exception as e:  # it is in no queue now: end it rather than lose it
                 if any(r is req for r in s.policy):
                     s.policy.remove(req)
-                s._note_row_error(req, "on_request_preempted", e)
+                failures.note_row_error(s, req, "on_request_preempted", e)
                 s._finish(req, FinishReason.ERROR, error=req.error)
         return {"request_id": req.request_id, "from_queue": "prefilling" if queue is
                 s.prefilling else "active", "released_tokens": released,

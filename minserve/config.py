@@ -99,41 +99,32 @@ class EngineConfig:
             if not cond:
                 raise ValueError(f"EngineConfig: {msg}")
 
-        need(self.dtype in DTYPES, f"dtype={self.dtype!r}; use one of {DTYPES}")
+        for name, choices in (("dtype", DTYPES), ("policy", POLICIES), ("admission", ADMISSIONS),
+                              ("backend", BACKENDS), ("model_runner", MODEL_RUNNERS),
+                              ("decode_attention", DECODE_ATTENTIONS)):
+            v = getattr(self, name)
+            need(v in choices, f"{name}={v!r}; use one of {choices}")
         need(isinstance(self.device, str) and self.device != "", "device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
-        need(_pos_int(self.max_batch_size), f"max_batch_size={self.max_batch_size!r}; use an int >= 1")
-        need(_pos_int(self.max_queue_size), f"max_queue_size={self.max_queue_size!r}; use an int >= 1")
+        # counts: an int >= 1; where a meaning of None is given, None too
+        for name, none in (("max_batch_size", ""), ("max_queue_size", ""),
+                           ("max_rows_per_session", "for no cap"), ("fair_max_sessions", ""),
+                           ("block_size", ""), ("num_blocks", "to derive it"),
+                           ("kv_budget_tokens", "to derive it"),
+                           ("max_model_len", "for the model's own")):
+            v = getattr(self, name)
+            need(_pos_int(v) or (none != "" and v is None),
+                 f"{name}={v!r}; use an int >= 1" + (f", or None {none}" if none else ""))
         for name in ("max_request_kv_share", "max_tenant_kv_share"):
             v = getattr(self, name)
             need(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1,
                  f"{name}={v!r}; use a share of the KV budget in (0, 1] (1 = no cap)")
-        need(self.max_rows_per_session is None or _pos_int(self.max_rows_per_session),
-             f"max_rows_per_session={self.max_rows_per_session!r}; use an int >= 1, or None "
-             "for no cap")
-        need(self.policy in POLICIES, f"policy={self.policy!r}; use one of {POLICIES}")
-        need(self.admission in ADMISSIONS,
-             f"admission={self.admission!r}; use one of {ADMISSIONS}")
         need(self.fair_w_in >= 0 and self.fair_w_out >= 0 and self.fair_w_in + self.fair_w_out > 0,
              "fair_w_in and fair_w_out must be >= 0 and not both 0")
-        need(_pos_int(self.fair_max_sessions),
-             f"fair_max_sessions={self.fair_max_sessions!r}; use an int >= 1")
-        need(self.backend in BACKENDS, f"backend={self.backend!r}; use one of {BACKENDS}")
-        need(self.model_runner in MODEL_RUNNERS,
-             f"model_runner={self.model_runner!r}; use one of {MODEL_RUNNERS}")
         need(self.model_runner != "compact" or self.backend == "paged",
              f"model_runner={self.model_runner!r} runs on backend='paged', not "
              f"backend={self.backend!r}")
-        need(self.decode_attention in DECODE_ATTENTIONS,
-             f"decode_attention={self.decode_attention!r}; use one of {DECODE_ATTENTIONS}")
         need(self.decode_attention != "kernel" or self.backend == "paged",
              f"decode_attention='kernel' runs on backend='paged', not backend={self.backend!r}")
-        need(_pos_int(self.block_size), f"block_size={self.block_size!r}; use an int >= 1")
-        need(self.num_blocks is None or _pos_int(self.num_blocks),
-             f"num_blocks={self.num_blocks!r}; use an int >= 1, or None to derive it")
-        need(self.kv_budget_tokens is None or _pos_int(self.kv_budget_tokens),
-             f"kv_budget_tokens={self.kv_budget_tokens!r}; use an int >= 1, or None to derive it")
-        need(self.max_model_len is None or _pos_int(self.max_model_len),
-             f"max_model_len={self.max_model_len!r}; use an int >= 1, or None for the model's own")
         need(isinstance(self.prefill_chunk_size, int) and self.prefill_chunk_size >= 0,
              f"prefill_chunk_size={self.prefill_chunk_size!r}; use 0 (no chunking) or an int >= 1")
 

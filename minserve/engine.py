@@ -125,13 +125,13 @@ class Engine:
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Text, token ids, or chat messages (through the chat template) -> token ids."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: pass token ids")
+        text = isinstance(prompt, str)
+        chat = not text and len(prompt) and isinstance(prompt[0], dict)
+        if (text or chat) and self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: pass token ids")
+        if text:
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        elif len(prompt) and isinstance(prompt[0], dict):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: pass token ids")
+        elif chat:
             ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
                                                      tokenize=True)
             if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
@@ -291,7 +291,7 @@ class Engine:
                 try:
                     self.recover(e)
                 except Exception as e2:  # never let the worker die (issue 23)
-                    from .scheduler import log
+                    from .failures import log
 
                     log.error("recovering from a failed tick raised too", exc_info=e2)
 
@@ -299,7 +299,7 @@ class Engine:
         """What the worker does when a tick raises outside any one row (a policy's
         peek, a bug): log the traceback, fail the rows in flight so everything they
         held goes back (R1, R2), keep serving. Returns how many rows failed."""
-        from .scheduler import log, row_error
+        from .failures import log, row_error
 
         log.error("a tick raised; failing the rows in flight", exc_info=exc)
         self.scheduler.last_error = row_error("a tick", exc)
@@ -333,7 +333,7 @@ def decode_kernel(mode: str, storage):
     if mode == "kernel":
         raise ValueError(f"decode_attention='kernel' cannot run here: {reason}; "
                          "use decode_attention='torch' (or 'auto')")
-    from .scheduler import log
+    from .failures import log
 
     log.info("decode attention in PyTorch: the C kernel cannot run here (%s)", reason)
     return None

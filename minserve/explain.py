@@ -72,9 +72,9 @@ def _pending(s, req: Request, out: dict[str, Any]) -> dict[str, Any]:
     order = list(s.policy)  # admission order
     pos = next(i for i, r in enumerate(order) if r is req)
     head = order[0]
-    verdict = s._run_gates(head)
+    verdict = s.admission.verdict(s, head)
     if verdict is None or not verdict.hard:
-        verdict = s._session_cap(head) or verdict
+        verdict = s.admission.share_hold(s, head) or verdict
     out.update(queue="pending", position=pos, ahead=pos, waiting=len(order),
                rows=len(s.prefilling) + len(s.active), max_batch_size=s.config.max_batch_size,
                kv_reserved=s.active_kv_reserved, kv_budget_tokens=s.kv_budget_tokens)

@@ -194,9 +194,6 @@ class BlockManager:
         """Blocks with ref_count 0: the free list plus the cached-but-evictable ones."""
         return len(self._free) + len(self._evictable)
 
-    def can_allocate(self, token_ids: list[int]) -> bool:
-        return self.blocks_needed(token_ids) <= self.num_free_blocks()
-
     def can_append_slots(self, seq_id: str, num_tokens: int) -> bool:
         extra = self.num_blocks_for(num_tokens) - len(self._tables[seq_id])
         return extra <= self.num_free_blocks()
@@ -311,9 +308,6 @@ class BlockManager:
 
     def has_seq(self, seq_id: str) -> bool:
         return seq_id in self._tables
-
-    def num_tokens(self, seq_id: str) -> int:
-        return self._seq_len[seq_id]
 
     def slot(self, seq_id: str, pos: int) -> int:
         """Flat slot index of token `pos` of `seq_id` in a (num_blocks * block_size) pool."""

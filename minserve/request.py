@@ -150,10 +150,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    @property
-    def prefill_done(self) -> bool:
-        return self.num_computed_prompt_tokens >= self.prefill_len
-
     # --- stopping ---------------------------------------------------------------------------
     def stop_reason_after(self, token_id: int) -> FinishReason | None:
         """Whether the token just appended ends the request (A1), by ids alone.

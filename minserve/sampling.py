@@ -1,7 +1,7 @@
 """Sampling: how one row's logits become one token.
 
-`SamplingParams` is what a client asks for; `Sampler` turns a batch of logits
-into one token per row. Two properties matter for a serving engine:
+`SamplingParams` is what a client asks for; `Sampler` turns one row's logits
+into one token (the scheduler asks it once per row of a forward). Two properties matter for a serving engine:
 
 * **Greedy is argmax, nothing else** (temperature 0), so the engine's tokens can
   be compared with Hugging Face `generate(do_sample=False)` exactly (SPEC B2).
@@ -64,15 +64,7 @@ class SamplingParams:
 
 
 class Sampler:
-    """Picks the next token for each row of a batch of logits."""
-
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               generators: list[torch.Generator | None]) -> list[int]:
-        """logits (B, V) -> B token ids. Row i uses params[i] and generators[i] only."""
-        out: list[int] = []
-        for row, p, g in zip(logits, params, generators):  # row: (V,)
-            out.append(self.sample_row(row, p, g))
-        return out
+    """Picks a row's next token from its logits; a row uses its own params and generator."""
 
     @staticmethod
     def sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

@@ -25,41 +25,48 @@ Three choices are objects the scheduler is given, each readable on its own:
     how much KV it takes    self.admission   admission.py: reserve or preempt (R1, P6)
     where its KV grows      self.backend     backends/: `kv_grows_in_pool` (B1)
 
+Two concerns have files of their own, so that this one reads as the tick:
+
+    run the planned forwards, post their tokens    execute.py   (nano-vllm's run, postprocess)
+    a fault ends only the rows it touched          failures.py  (H5)
+
 The load-bearing invariant (R1):
 
     active_kv_reserved == sum(r.reserved_tokens for r in prefilling + active)
 
 `_admit` adds `admission.reserve(req)`; a decode step adds `admission.per_decode`
-per row; `_release` is the one subtractor: eviction (finish, cancel, error) and
-preemption both go through it. `check_invariants()` verifies R1 and that every
+per row; `_release` is the one subtractor: eviction (finish, cancel), preemption and
+every failure go through it. `check_invariants()` verifies R1 and that every
 request sits in exactly one queue; the tests call it after every phase.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import OrderedDict
 from typing import Any
 
-from . import gates, records
+from . import execute, failures, gates, records
 from .admission import MODES
 from .backends.base import Backend
 from .config import EngineConfig, PrefillMode
+from .execute import Piece
 from .explain import finished_summary
 from .policies import Policy
 from .records import AdmitRecord, DecodeRecord, EvictRecord, PrefillRecord, TickRecord
 from .request import FinishReason, Rejection, Request, RequestOutput, RequestStatus
 from .sampling import Sampler
 
-log = logging.getLogger("minserve")
-
-Piece = tuple[Request, int, int]  # one row's prompt[start:end] for this tick's prefill
-
 
 class Scheduler:
+    """The queues, the tick, the reservation. What a lab or a test may swap on one
+    scheduler (each is read at the time of use): `policy`, `admission`, `backend`,
+    `block_manager`, `gates` (the gate functions), `next_chunk` (T2's schedule) and
+    `_promote_to_decode` (the C3 seam)."""
+
     RECENT = 1024  # finished requests `explain` still knows about
+
     def __init__(self, config: EngineConfig, backend: Backend, policy: Policy,
                  kv_budget_tokens: int, block_manager=None) -> None:
         self.config = config
@@ -114,7 +121,7 @@ class Scheduler:
             except Exception as e:  # the policy refused to take it: it never entered Q1
                 if any(r is req for r in self.policy):
                     self.policy.remove(req)
-                self._note_row_error(req, "enqueue", e)
+                failures.note_row_error(self, req, "enqueue", e)
                 self._finish(req, FinishReason.ERROR, error=req.error)
                 raise
         return None
@@ -155,31 +162,22 @@ class Scheduler:
     def admit_pending(self) -> AdmitRecord:
         """T1: move requests from `pending` to `prefilling` while the gates allow.
 
-        Peek the policy's head; check a batch row is free, then G2 (KV) and G3 (block
-        pool), with the numbers `self.admission` states. With `max_rows_per_session`, a
-        head whose session already holds that many rows lets the first waiting request
-        of another session go ahead of it. Pass -> pick it, reserve its KV
-        (`admission.reserve`, R1), allocate its blocks (cached prefix reused, K2) and
-        open its staging row. Soft hold -> stop; the head keeps its place (G4). Hard
-        reject -> finish it with the gate's reason (G6) and look at the next one.
+        Peek the policy's head; `admission.choose` runs the gates on it (a batch row,
+        G2's KV and G3's blocks, with the numbers the mode states) and, when its session
+        or tenant already holds its share (`max_rows_per_session`, `max_tenant_kv_share`),
+        takes the first waiting request of another session instead. Pass -> pick it,
+        reserve its KV (`admission.reserve`, R1), allocate its blocks (cached prefix
+        reused, K2) and open its staging row. Soft hold -> stop; the head keeps its place
+        (G4). Hard reject -> finish it with the gate's reason (G6) and look at the next.
 
         After: R1 holds; every admitted request is PREFILLING with
         num_computed_prompt_tokens == num_cached_tokens.
         """
         rec = AdmitRecord()
         with self.lock, self.queue_lock:
-            while (head := self._policy_call("peek_next")) is not None:
-                req, rejection = head, self._run_gates(head)
-                if rejection is None or not rejection.hard:
-                    capped = self._session_cap(head)
-                    if capped is not None:  # its session holds its share: skip to another's
-                        other = next((r for r in self.policy if self._session_cap(r) is None),
-                                     None)
-                        if other is None:
-                            rejection = capped
-                        else:
-                            req, rejection = other, self._run_gates(other)
-                if rejection is not None and not rejection.hard:
+            while (head := failures.policy_call(self, "peek_next")) is not None:
+                req, rejection = self.admission.choose(self, head)  # head, or another's
+                if rejection is not None and not rejection.hard:  # G4: it keeps its place
                     self.kv_admit_blocked[rejection.gate] += 1
                     rec.held = {"request_id": req.request_id, "rejection": rejection.to_dict()}
                     break
@@ -189,10 +187,10 @@ class Scheduler:
                     else:
                         self.policy.pick(req)
                 except Exception as e:  # the policy failed to hand it over (issue 23)
-                    self._note_hook_error("pick", e)
+                    failures.note_hook_error(self, "pick", e)
                     if any(r is req for r in self.policy):
                         break  # it keeps its place: next tick tries again; running rows go on
-                    self._note_row_error(req, "the policy's pick", e)  # taken out, not admitted
+                    failures.note_row_error(self, req, "the policy's pick", e)  # taken out, not admitted
                     self._finish(req, FinishReason.ERROR, error=req.error)
                     rec.failed.append({"request_id": req.request_id, "error": req.error})
                     continue
@@ -212,39 +210,6 @@ class Scheduler:
                     rec.failed.append({"request_id": req.request_id, "error": req.error})
         return rec
 
-    def _run_gates(self, req: Request) -> Rejection | None:
-        """The head's verdict: a hard reject first (it can never fit: refuse it at once,
-        never hold it behind a full batch or another gate's soft hold, G4), then the
-        soft holds: G2's KV, a batch row, G3's free blocks. What G2 and G3 ask for is
-        the admission mode's (`admission.check_kv`, `admission.check_blocks`)."""
-        g2 = self.admission.check_kv(self, req)
-        g3 = self.admission.check_blocks(self, req) if self.block_manager is not None else None
-        for r in (g2, g3):
-            if r is not None and r.hard:
-                return r
-        rows = len(self.prefilling) + len(self.active)
-        return g2 or self.gates.batch_slot_hold(rows, self.config.max_batch_size) or g3
-
-    def _session_cap(self, req: Request) -> Rejection | None:
-        """`max_rows_per_session`: a session that holds that many rows (prefilling or
-        active) waits while another session's request is admitted ahead of it.
-        `max_tenant_kv_share` (H5): a tenant whose rows reserve that share of the G2
-        budget waits the same way (unless it holds nothing: a request always fits
-        under its own `max_request_kv_share`)."""
-        running = self.prefilling + self.active
-        share = self.config.max_tenant_kv_share
-        if req.tenant is not None and share < 1:
-            held = sum(r.reserved_tokens for r in running if r.tenant == req.tenant)
-            hold = self.gates.tenant_share_hold(held, self.admission.need(req),
-                                                self.kv_budget_tokens, share)
-            if hold is not None:
-                return hold
-        cap = self.config.max_rows_per_session
-        if cap is None:
-            return None
-        rows = sum(r.session_id == req.session_id for r in running)
-        return self.gates.session_cap_hold(req.session_id, rows, cap)
-
     def _admit(self, req: Request) -> bool:
         """Reserve, allocate, open the staging row. All or nothing: if any step raises,
         what was taken is given back and the request fails alone (returns False)."""
@@ -260,7 +225,7 @@ class Scheduler:
             req.num_computed_prompt_tokens = req.num_cached_tokens
             self.backend.begin_prefill(req)
         except Exception as e:
-            self._fail_row(req, "admission", e)
+            failures.fail_row(self, req, "admission", e)
             return False
         return True
 
@@ -276,11 +241,12 @@ class Scheduler:
         whoever else is prefilling. A tick's prompt work is at most (rows prefilling) x
         chunk, and rows are at most `max_batch_size` (Q3).
 
-        Run (`_run_pieces`): monolithic and chunked push all the pieces through ONE
-        forward (`prefill_together`; paged: flattened, padded: left-padded side by
-        side), beside the decode forward. mixed_batch (Version B) runs nothing here: T4
-        carries the planned pieces in the decode forward, one forward per tick in all;
-        their records (`in_decode_forward`) get `first_token` when T4 has run.
+        Run (`execute.run_pieces`): monolithic and chunked push all the pieces through
+        ONE forward (`prefill_together`; paged: flattened, padded: left-padded side by
+        side), beside the decode forward. mixed_batch (Version B) runs nothing here
+        (`execute.defer_to_decode`): T4 carries the planned pieces in the decode
+        forward, one forward per tick in all; their records (`in_decode_forward`) get
+        `first_token` when T4 has run.
 
         On a row's final piece: register its now-computed blocks (K3), sample its first
         token, stream it, and promote it through `_promote_to_decode`.
@@ -290,15 +256,10 @@ class Scheduler:
         with self.lock:
             self._planned, self._planned_record = [], rec
             pieces = self._plan_prefill()
-            if self.config.prefill is not PrefillMode.MIXED_BATCH:
-                self._run_pieces(pieces, rec)
-                return rec
-            for req, start, end in pieces:  # T4 runs them, in the decode forward
-                chunk = {"request_id": req.request_id, "start": start, "end": end,
-                         "final": end == req.prefill_len, "first_token": None,
-                         "in_decode_forward": True}
-                self._planned.append((req, chunk))
-                rec.chunks.append(chunk)
+            if self.config.prefill is PrefillMode.MIXED_BATCH:
+                execute.defer_to_decode(self, pieces, rec)  # T4 runs them, in its forward
+            else:
+                execute.run_pieces(self, pieces, rec)  # now, beside the decode forward
         return rec
 
     def _plan_prefill(self) -> list[Piece]:
@@ -319,61 +280,6 @@ class Scheduler:
         start = req.num_computed_prompt_tokens
         end = req.prefill_len if chunk_size is None else min(req.prefill_len, start + chunk_size)
         return start, end
-
-    def _run_pieces(self, pieces: list[Piece], rec: PrefillRecord) -> None:
-        """Push the pieces through the model: in ONE forward when there are several and
-        the backend can (`prefill_together`), else one forward per piece. A forward that
-        raises fails its rows; a row whose completion raises fails alone."""
-        together = len(pieces) > 1 and self.backend.supports_batched_prefill
-        for group in [pieces] if together else [[p] for p in pieces]:
-            try:
-                if together:
-                    logits = self.backend.prefill_together(group)
-                else:
-                    logits = [self.backend.prefill_chunk(*group[0])]
-                self.forwards.append(sum(end - start for _, start, end in group))
-            except Exception as e:
-                for req, _, _ in group:
-                    self._fail_row(req, "prefill", e, rec.failed)
-                continue
-            for (req, start, end), row_logits in zip(group, logits):
-                try:
-                    chunk = self._piece_done(req, start, end, row_logits)
-                except Exception as e:
-                    self._fail_row(req, "prefill", e, rec.failed)
-                    continue
-                if chunk["final"]:
-                    rec.promoted.append(req.request_id)
-                rec.chunks.append(chunk)
-
-    def _piece_done(self, req: Request, start: int, end: int, logits) -> dict[str, Any]:
-        """After prompt[start:end] went through the model (its own forward, or the mixed
-        one): count it; on the final piece, the first token and the promotion."""
-        req.num_computed_prompt_tokens = end
-        req.timing.prefill_chunks += 1
-        self.prompt_tokens_computed += end - start
-        # after a preemption: tokens whose KV existed before are computed again
-        again = max(0, min(end, req.kv_high_water) - start)
-        self.recomputed_tokens += again
-        # P3 charges prompt tokens computed for the first time; output tokens (which a
-        # re-prefill after a preemption also carries) were charged when sampled
-        new_prompt = max(0, min(end, req.prompt_len) - max(start, req.kv_high_water))
-        req.kv_high_water = max(req.kv_high_water, end)
-        final = end == req.prefill_len
-        chunk = {"request_id": req.request_id, "start": start, "end": end,
-                 "final": final, "first_token": None}
-        if again:
-            chunk["recomputed"] = again
-        if final:
-            if self.block_manager is not None:
-                self.block_manager.mark_computed(req.request_id, req.prefill_token_ids, end)
-            chunk["first_token"] = self._append_token(req, logits)
-        with self.queue_lock:  # P3: the chunk's new prompt tokens (+ the next output token);
-            # recomputation is the scheduler's doing, not the session's: never charged
-            self.policy.on_tokens_processed(req, new_prompt, 1 if final else 0)
-        if final:
-            self._promote_to_decode(req)
-        return chunk
 
     def _promote_to_decode(self, req: Request) -> None:
         """The one seam through which every completed prefill enters the decode
@@ -409,17 +315,19 @@ class Scheduler:
                     self._finish(req, req.finish_reason)
         return rec
 
-    def _release(self, req: Request) -> int:
-        """Give back everything a running request holds. The ONLY subtractor of R1.
+    def _release(self, req: Request, drop_row: bool = True) -> int:
+        """Give back everything a running request holds. The ONLY subtractor of R1:
+        eviction, preemption and every failure path (failures.py) come here.
 
-        Idempotent, accounting first: if the backend raises while dropping the row,
-        the reservation and blocks are already back, and a second call (fail_all's)
-        only retries the backend."""
+        Idempotent, accounting first: if freeing the blocks or dropping the row raises,
+        the reservation is already back, and a second call only retries what is left.
+        `drop_row=False` (fail_all) leaves the backend's row to `backend.reset()`."""
         released, req.reserved_tokens = req.reserved_tokens, 0
         self.active_kv_reserved -= released
         if self.block_manager is not None:
             self.block_manager.free(req.request_id)
-        self.backend.remove_row(req)
+        if drop_row:
+            self.backend.remove_row(req)
         return released
 
     # ---------------------------------------------------------------- T4
@@ -450,74 +358,11 @@ class Scheduler:
             planned = [(r, c) for r, c in self._planned if r in self.prefilling]
             self._planned = []
             if rows or planned:
-                self._decode_forward(rows, planned, rec)
+                execute.run_decode(self, rows, planned, rec)
             rec.kv_length = self.kv_length_metric = self.backend.kv_length
         return rec
 
-    def _decode_forward(self, rows: list[Request], planned: list[tuple[Request, dict]],
-                        rec: DecodeRecord) -> None:
-        """Grow each row's KV by the token it is fed, run the forward, sample one token
-        per row; finish the planned pieces (mixed_batch). A forward that raises fails
-        every row in it; a row whose sampling or charge raises fails alone."""
-        if self.backend.kv_grows_in_pool:
-            for r in rows:  # room for the token about to be written
-                self.block_manager.append_slots(r.request_id, r.num_tokens)
-        for r in rows:  # R1: preempt's reservation grows with the KV (reserve's: by 0)
-            r.reserved_tokens += self.admission.per_decode
-            self.active_kv_reserved += self.admission.per_decode
-        feed = [r.output_token_ids[-1] for r in rows]
-        rec.positions = {r.request_id: r.num_tokens - 1 for r in rows}
-        try:
-            if planned:  # Version B: decode rows and prompt pieces, ONE forward
-                logits, chunk_logits = self.backend.forward_mixed(
-                    rows, feed, [(r, c["start"], c["end"]) for r, c in planned])
-            else:
-                logits, chunk_logits = self.backend.decode_step_batched(rows, feed), []  # (B, V)
-            self.forwards.append(len(rows) + sum(c["end"] - c["start"] for _, c in planned))
-        except Exception as e:  # one forward for all rows: each of them failed
-            for req in rows + [r for r, _ in planned]:
-                self._fail_row(req, "decode forward", e, rec.failed)
-            return
-        for (req, chunk), row_logits in zip(planned, chunk_logits):
-            try:  # the row's first token if this was its final piece, then promotion
-                done = self._piece_done(req, chunk["start"], chunk["end"], row_logits)
-                chunk["first_token"] = done["first_token"]
-                if done["final"]:
-                    self._planned_record.promoted.append(req.request_id)
-            except Exception as e:
-                self._fail_row(req, "prefill", e, rec.failed)
-        for req, row_logits in zip(rows, logits):
-            try:
-                tok = self._append_token(req, row_logits)
-                with self.queue_lock:
-                    self.policy.on_tokens_processed(req, 0, 1)
-            except Exception as e:  # this row's sampling or charge failed: it alone
-                req.finish_reason = FinishReason.ERROR
-                self._note_row_error(req, "decode", e)
-                rec.failed.append({"request_id": req.request_id, "error": req.error})
-                continue  # T3 evicts it next tick, like any finished row
-            rec.rows.append(req.request_id)
-            rec.tokens[req.request_id] = tok
-            if req.finish_reason is not None:
-                rec.finished[req.request_id] = req.finish_reason.value
-
-    # ================================================================= a row's end, and errors
-    def _append_token(self, req: Request, logits) -> int:
-        """Sample, record, stream. Sets finish_reason when the request is done."""
-        tok = self.sampler.sample_row(logits, req.sampling, req.generator)
-        req.output_token_ids.append(tok)
-        self.tokens_generated += 1
-        now = time.perf_counter()
-        if req.timing.first_token is None:
-            req.timing.first_token = now
-        hit_stop_string = False
-        if req.handle is not None:
-            hit_stop_string = req.handle._on_token(len(req.output_token_ids) - 1, tok)
-        reason = FinishReason.STOP if hit_stop_string else req.stop_reason_after(tok)
-        if reason is not None:
-            req.finish_reason = reason
-        return tok
-
+    # ================================================================= a request's end
     def _finish(self, req: Request, reason: FinishReason, rejection: Rejection | None = None,
                 error: str | None = None) -> None:
         """Mark finished and send the client's final event."""
@@ -536,86 +381,21 @@ class Scheduler:
                     req.policy_running = False
                     self.policy.on_request_finished(req)
             except Exception as e:  # the policy's cleanup failed: the client still gets its end
-                self.hook_errors += 1
-                self.last_error = row_error("on_request_finished", e)
-                log.error("policy hook on_request_finished raised", exc_info=e)
+                failures.note_hook_error(self, "on_request_finished", e)
         self.finished_count += 1
         if req.handle is not None:
             out = RequestOutput.from_request(req, req.handle.text)
             req.handle._finish(out, reason.value,
                                rejection=rejection.to_dict() if rejection else None, error=req.error)
 
-    def _policy_call(self, method: str):
-        """A policy hook whose failure touches no running row (peek): note it and answer
-        None, so this tick admits nothing and every running row goes on (issue 23)."""
-        try:
-            return getattr(self.policy, method)()
-        except Exception as e:
-            self._note_hook_error(method, e)
-            return None
-
-    def _note_hook_error(self, hook: str, exc: BaseException) -> None:
-        self.hook_errors += 1
-        self.last_error = row_error(f"the policy's {hook}", exc)
-        log.error("policy hook %s raised", hook, exc_info=exc)
-
-    def _fail_row(self, req: Request, where: str, exc: BaseException,
-                  failed: list | None = None) -> None:
-        """One running row failed (its admission, prefill piece, sampling, charge): end it
-        alone and give back what it held (noted in a record's `failed`, if given). The
-        other rows keep going."""
-        for queue in (self.prefilling, self.active):
-            if any(r is req for r in queue):
-                self._release(req)
-                queue.remove(req)
-        self._note_row_error(req, where, exc)
-        self._finish(req, FinishReason.ERROR, error=req.error)
-        if failed is not None:
-            failed.append({"request_id": req.request_id, "error": req.error})
-
-    def _note_row_error(self, req: Request, where: str, exc: BaseException) -> None:
-        """Count it, keep one line for stats and the client, the traceback for the log."""
-        self.failed_rows += 1
-        req.error = self.last_error = row_error(where, exc)
-        log.error("request %s failed in %s", req.request_id, where, exc_info=exc)
+    def fail_all(self, error: str) -> int:
+        """A tick raised outside any one row: end every running request with `error`,
+        giving back what it held (R1/R2 hold after). Never raises (failures.py)."""
+        return failures.fail_all(self, error)
 
     def abort_all(self, error: str) -> int:
-        """Shutting down: end every request, running or waiting, with `error`, giving
-        back everything held (R2 afterwards). Returns how many ended."""
-        with self.lock:
-            n = self.fail_all(error)
-            with self.queue_lock:
-                for req in list(self.policy):
-                    self.policy.remove(req)
-                    self._finish(req, FinishReason.ERROR, error=error)
-                    n += 1
-        return n
-
-    def fail_all(self, error: str) -> int:
-        """A tick raised outside any one row: end every running request with an error
-        and give back what it held, so the engine keeps serving (R1/R2 hold after).
-
-        It must not raise itself: it runs in the worker's error path, and a second
-        exception there would kill the worker (issue 23). So it does the accounting
-        by hand and then `backend.reset()`s the rows instead of asking the backend
-        to remove them one by one (that check may be exactly what failed)."""
-        n = 0
-        with self.lock:
-            for queue in (self.prefilling, self.active):
-                for req in list(queue):
-                    queue.remove(req)
-                    released, req.reserved_tokens = req.reserved_tokens, 0
-                    self.active_kv_reserved -= released  # R1
-                    try:
-                        if self.block_manager is not None:
-                            self.block_manager.free(req.request_id)
-                        self._finish(req, FinishReason.ERROR, error=error)
-                    except Exception as e:
-                        log.error("while failing request %s", req.request_id, exc_info=e)
-                    n += 1
-            self._planned = []
-            self.backend.reset()
-        return n
+        """Shutting down: end every request, running or waiting (R2 after; failures.py)."""
+        return failures.abort_all(self, error)
 
     # ================================================================= inspection
     @property
@@ -662,9 +442,3 @@ class Scheduler:
         (`records.stats`)."""
         return records.stats(self)
 
-
-def row_error(where: str, exc: BaseException) -> str:
-    """What a client is told when its row failed: the phase and the exception, one
-    line, no traceback (the worker's log keeps that)."""
-    msg = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-    return f"engine error in {where}: {type(exc).__name__}" + (f": {msg}" if msg else "")

@@ -19,7 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "minserve"
 CORE = ["config.py", "request.py", "sampling.py", "policies.py", "fair.py", "gates.py",
-        "kv_cache.py", "admission.py", "scheduler.py", "explain.py", "records.py", "streaming.py", "engine.py",
+        "kv_cache.py", "admission.py", "scheduler.py", "execute.py", "failures.py", "explain.py",
+        "records.py", "streaming.py", "engine.py",
         "models.py",
         "backends/base.py", "backends/padded.py", "backends/paged.py", "backends/kv_storage.py",
         "backends/compact.py"]

@@ -54,3 +54,22 @@ def test_the_engine_uses_the_configured_mode_and_r1_holds_after_every_phase(tiny
 def test_where_kv_grows_is_the_backends_to_say(tiny_model, backend, grows):
     engine = make_engine(tiny_model, backend=backend)
     assert engine.scheduler.backend.kv_grows_in_pool is grows
+
+
+def test_choose_lets_another_sessions_request_past_a_head_whose_session_holds_its_rows(
+        tiny_model):
+    """T1 asks the mode whom to admit (`choose`); explain asks it what holds the head."""
+    engine = make_engine(tiny_model, max_batch_size=4, max_rows_per_session=1)
+    s, long = engine.scheduler, SamplingParams(max_tokens=50, ignore_eos=True)
+    engine.submit([1, 2, 3], long, session_id="alice")
+    engine.step()  # alice holds her one row
+    mine = engine.submit([4, 5], long, session_id="alice")
+    other = engine.submit([6, 7], long, session_id="bob")
+    head = s.policy.peek_next()
+    assert head.request_id == mine.request_id
+    chosen, verdict = s.admission.choose(s, head)
+    assert chosen.request_id == other.request_id and verdict is None
+    other.cancel()  # nobody else waits: the head is held by its session's share
+    chosen, verdict = s.admission.choose(s, head)
+    assert chosen is head and verdict.reason == "session_cap" and not verdict.hard
+    assert engine.explain(mine.request_id)["held_by"]["reason"] == "session_cap"

@@ -268,3 +268,22 @@ def test_a_layer_fault_on_the_real_model_fails_its_batch_and_the_engine_serves_o
     assert {h.output.finish_reason for h in handles} == {"error"}
     out = engine.generate("Hello", SamplingParams(max_tokens=3))[0]
     assert out.finish_reason in ("length", "stop") and engine.scheduler.is_drained()
+
+
+@pytest.mark.parametrize("backend", ["padded", "paged"])
+def test_fail_all_gives_everything_back_through_release_the_one_subtractor(tiny_model, backend):
+    """R1 has one subtractor: even the worker's last resort releases through `_release`."""
+    engine = make_engine(tiny_model, backend=backend, prefill_chunk_size=3, max_batch_size=3)
+    s = engine.scheduler
+    for n in (4, 12, 30):
+        engine.submit(list(range(1, n + 1)), SamplingParams(max_tokens=20, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    running = s.prefilling + s.active
+    assert s.prefilling and s.active
+    released = []
+    real = s._release
+    s._release = lambda req, **kw: (released.append(req.request_id), real(req, **kw))[1]
+    assert s.fail_all("injected") == len(running)
+    assert sorted(released) == sorted(r.request_id for r in running)
+    assert s.active_kv_reserved == 0 and s.is_drained()

@@ -46,6 +46,29 @@ def prompt_of(n: int, seed: int) -> list[int]:
     return torch.randint(3, 128, (n,), generator=g).tolist()
 
 
+def test_a_rows_logits_are_the_same_alone_or_in_a_mixed_forward(models):
+    """prefill_chunk, prefill_together and decode_step_batched are forward_mixed's special
+    cases: a row's logits do not depend on what its forward carries besides it (a plain
+    (B, T) batch or the flat mixed sequence), and only a prompt's final piece gives
+    logits, except through prefill_chunk (the contract: always (V,))."""
+    model, ref = models
+    s = make(model)
+    a = s.admit("a", prompt_of(9, seed=3))
+    greedy(a, s.prefill(a, chunk=4))
+    b, c, d = (s.admit(rid, prompt_of(n, seed=n)) for rid, n in (("b", 11), ("c", 6), ("d", 9)))
+    assert_close(s.backend.prefill_chunk(b, 0, 5), hf_logits(ref, b.prompt_token_ids[:5]))
+    together = s.backend.prefill_together([(d, 0, 6), (c, 0, 6)])  # one group: (2, 6)
+    assert together[0] is None  # d's piece was not its prompt's last
+    assert_close(together[1], hf_logits(ref, c.prompt_token_ids))
+    s.bm.append_slots("a", a.num_tokens)
+    dec, pieces = s.backend.forward_mixed([a], [a.output_token_ids[-1]], [(b, 5, 11), (d, 6, 8)])
+    assert_close(dec[0], hf_logits(ref, a.prompt_token_ids + a.output_token_ids))
+    assert_close(pieces[0], hf_logits(ref, b.prompt_token_ids))
+    assert pieces[1] is None
+    assert s.backend.row_lengths() == {"a": 10, "b": 11, "c": 6, "d": 8}
+    s.check()
+
+
 @torch.inference_mode()
 def hf_logits(ref: LlamaForCausalLM, tokens: list[int]) -> torch.Tensor:
     """The oracle: last-position logits of a plain full forward of this sequence alone, (V,)."""

@@ -359,15 +359,9 @@ class PagedBackend(Backend):
         return self.staging[req.request_id]
 
     def prefill_chunk(self, req: Request, start: int, end: int) -> torch.Tensor:
-        held = self._staged(req)
-        if start != held or not start < end <= req.prefill_len:
-            raise ValueError(f"row {req.request_id!r} holds {held} tokens; cannot prefill "
-                             f"{start}..{end} of a {req.prefill_len}-token prompt")
-        ids = torch.tensor([req.prefill_token_ids[start:end]], device=self.device)  # (1, T)
-        pos = torch.arange(start, end, device=self.device).unsqueeze(0)  # (1, T)
-        logits = self._forward(ids, pos, [self.block_manager.block_table(req.request_id)])
-        self.staging[req.request_id] = end
-        return logits[0]  # (V,)
+        """One row's piece, alone: `forward_mixed` with no decode rows, keeping its logits
+        even when it is not the prompt's final piece (the contract: always (V,))."""
+        return self.forward_mixed([], [], [(req, start, end)], every_chunk=True)[1][0]
 
     def prefill_together(self, pieces: list[tuple[Request, int, int]]) -> list:
         """The pieces flattened into one forward: `forward_mixed` with no decode rows."""
@@ -379,33 +373,17 @@ class PagedBackend(Backend):
             raise ValueError(f"row {req.request_id!r} holds {held} of {req.prefill_len} prompt tokens")
         self.rows[req.request_id] = self.staging.pop(req.request_id)
 
-    # --- decode side -------------------------------------------------------------------
+    # --- decode side, and the one forward every entry point runs -----------------------
     def decode_step_batched(self, reqs: list[Request], token_ids: list[int]) -> torch.Tensor:
-        if len(reqs) != len(token_ids) or len({r.request_id for r in reqs}) != len(reqs):
-            raise ValueError("decode needs one token per row and each row once")
-        if not reqs:
-            return torch.zeros(0, self.vocab_size)
-        positions = []
-        for r in reqs:
-            pos = r.num_tokens - 1  # the new token's index in its row
-            if r.request_id not in self.rows:
-                raise ValueError(f"row {r.request_id!r} is not in the decode batch (promote it)")
-            if self.rows[r.request_id] != pos:
-                raise ValueError(f"row {r.request_id!r} holds {self.rows[r.request_id]} tokens; "
-                                 f"its next token must be at that position, not {pos}")
-            positions.append([pos])
-        ids = torch.tensor(token_ids, device=self.device).unsqueeze(1)  # (B, 1)
-        pos_t = torch.tensor(positions, device=self.device)  # (B, 1)
-        tables = [self.block_manager.block_table(r.request_id) for r in reqs]
-        logits = self._forward(ids, pos_t, tables)  # (B, V)
-        for r, [p] in zip(reqs, positions):
-            self.rows[r.request_id] = p + 1
-        return logits
+        """The decode rows alone: `forward_mixed` with no chunks; logits (B, V)."""
+        return self.forward_mixed(reqs, token_ids, [])[0]
 
     def forward_mixed(self, decode: list[Request], tokens: list[int],
-                      chunks: list[tuple[Request, int, int]]) -> tuple[torch.Tensor, list]:
-        """Version B (`mixed_batch`): ONE forward for every decode row's next token and
-        every prefilling row's next chunk, flattened into one sequence of N tokens:
+                      chunks: list[tuple[Request, int, int]],
+                      every_chunk: bool = False) -> tuple[torch.Tensor, list]:
+        """ONE forward for every decode row's next token and every prefilling row's next
+        chunk (Version B, `mixed_batch`; with only chunks it is prefill, with only decode
+        rows a decode step), flattened into one sequence of N tokens:
 
             flat tokens   [ a  b  c | p0 p1 ... p6 | q0 ... q31 ]
                            decode     chunk of p     chunk of q
@@ -413,48 +391,60 @@ class PagedBackend(Backend):
 
         Each token attends only over its own row's blocks, causally (`RowGroup`s of
         equal length are attended together). Logits come out only where a token is
-        sampled: each decode row, and the last token of a prompt's final chunk.
+        sampled: each decode row, and the last token of a prompt's final chunk (of every
+        chunk, with `every_chunk`).
 
         Returns (decode logits (len(decode), V), per chunk its (V,) logits if it was
-        its prompt's final chunk, else None), in the order given.
+        kept, else None), in the order given.
         """
         if len(decode) != len(tokens) or len({r.request_id for r in decode}) != len(decode):
             raise ValueError("decode needs one token per row and each row once")
-        rows, ids, positions, keep = [], [], [], []
+        rows, ids, positions = [], [], []  # rows: (block table, first position, T) each
+        last: list[int] = []  # each row's last token, in the flat order
+        wanted: list[int] = []  # the rows whose last token's logits come out
         for r, tok in zip(decode, tokens):  # one group: T = 1
-            pos = r.num_tokens - 1
+            pos = r.num_tokens - 1  # the new token's index in its row
             if self.rows.get(r.request_id) != pos:
                 raise ValueError(f"row {r.request_id!r} holds {self.rows.get(r.request_id)} "
-                                 f"tokens; its next token must be at position {pos}")
+                                 f"tokens in the decode batch; its next token must go at {pos}")
+            wanted.append(len(rows))
             rows.append((self.block_manager.block_table(r.request_id), pos, 1))
             ids.append(tok)
             positions.append(pos)
-            keep.append(len(ids) - 1)
+            last.append(len(ids) - 1)
         order = sorted(range(len(chunks)), key=lambda i: chunks[i][2] - chunks[i][1])
-        final_at: dict[int, int] = {}  # chunk index -> its row in the kept logits
+        row_of: dict[int, int] = {}  # chunk index -> its row
         for i in order:  # equal chunk lengths side by side: one group each
             req, start, end = chunks[i]
             held = self._staged(req)
             if start != held or not start < end <= req.prefill_len:
                 raise ValueError(f"row {req.request_id!r} holds {held} tokens; cannot prefill "
                                  f"{start}..{end} of a {req.prefill_len}-token prompt")
+            row_of[i] = len(rows)
+            if every_chunk or end == req.prefill_len:
+                wanted.append(len(rows))
             rows.append((self.block_manager.block_table(req.request_id), start, end - start))
             ids.extend(req.prefill_token_ids[start:end])
             positions.extend(range(start, end))
-            if end == req.prefill_len:
-                final_at[i] = len(keep)
-                keep.append(len(ids) - 1)
+            last.append(len(ids) - 1)
         if not rows:
             return torch.zeros(0, self.vocab_size), []
         ctx = PagedForward.build_rows(self.storage, rows, self.kernel)
-        logits = self._run(torch.tensor([ids], device=self.device),  # (1, N)
-                           torch.tensor([positions], device=self.device), ctx,
-                           torch.tensor(keep or [len(ids) - 1]))[0]  # (len(keep), V)
+        ids_t = torch.tensor([ids], device=self.device)  # (1, N)
+        pos_t = torch.tensor([positions], device=self.device)  # (1, N)
+        if len(ctx.groups) == 1:  # a plain batch of B rows x T tokens: run it as (B, T)
+            g = ctx.groups[0]
+            logits = self._run(ids_t.view(g.B, g.T), pos_t.view(g.B, g.T), ctx, 1)[:, -1]  # (B, V)
+            at = {j: j for j in wanted}  # row j's logits: every row's last token came out
+        else:  # flat (1, N): only the wanted rows' last tokens go through the output head
+            keep = torch.tensor([last[j] for j in wanted] or [len(ids) - 1])
+            logits = self._run(ids_t, pos_t, ctx, keep)[0]  # (len(wanted), V)
+            at = {j: k for k, j in enumerate(wanted)}
         for r in decode:
             self.rows[r.request_id] += 1
         for req, _, end in chunks:
             self.staging[req.request_id] = end
-        return logits[:len(decode)], [logits[final_at[i]] if i in final_at else None
+        return logits[:len(decode)], [logits[at[row_of[i]]] if row_of[i] in at else None
                                       for i in range(len(chunks))]
 
     def remove_row(self, req: Request) -> None:
@@ -466,12 +456,6 @@ class PagedBackend(Backend):
         """Forget every row (blocks are the block manager's): `Scheduler.fail_all`'s last resort."""
         self.staging.clear()
         self.rows.clear()
-
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor,
-                 tables: list[list[int]]) -> torch.Tensor:
-        """One forward of the HF model over ids (B, T); last position's logits (B, V) float32."""
-        ctx = PagedForward.build(self.storage, tables, positions, self.kernel)
-        return self._run(ids, positions, ctx, 1)[:, -1]  # (B, 1, V) -> (B, V)
 
     @torch.inference_mode()
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, ctx: PagedForward,
