@@ -23,7 +23,7 @@ CORE = ["config.py", "request.py", "sampling.py", "policies.py", "fair.py", "gat
         "records.py", "streaming.py", "engine.py",
         "models.py",
         "backends/base.py", "backends/padded.py", "backends/paged.py", "backends/kv_storage.py",
-        "backends/compact.py"]
+        "backends/compact.py", "backends/decode_kernel.py"]
 
 
 def code_lines(path: Path) -> tuple[int, int]:
