@@ -182,11 +182,6 @@ class KVBlockStorage:
         return tuple(f.view(H, self.num_blocks, S * D).index_select(1, blocks).view(H, -1, D)
                      for f in (k_flat, v_flat))
 
-    def gather(self, layer: int, block_table: list[int], length: int) -> KV:
-        """Tokens 0..length-1 of one row, in order: K and V each (length, H_kv, D), copies."""
-        k, v = self.read(layer, self.slot_mapping(block_table, 0, length))  # (H_kv, length, D)
-        return k.transpose(0, 1), v.transpose(0, 1)  # (length, H_kv, D)
-
     # --- all layers at once (what the padded backend uses for prefix caching) ---------------
     def store_tokens(self, block_table: list[int], start: int, per_layer_kv: list[KV]) -> None:
         """Write the KV of tokens start..start+T-1 of a row, for every layer.
