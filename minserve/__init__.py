@@ -4,10 +4,13 @@ Public surface (SPEC §10): `Engine`, `EngineConfig`, `SamplingParams`, and the
 request/output types. Everything else is importable but internal: read it, step
 it, draw it — its shape may change.
 
-The modules at this level (and `backends/`) are the engine core; the outer layers
-are subpackages that import the core and never the other way round: `server/`
-(OpenAI HTTP API), `inspection/` (traces, figures, stepper), `chat/` (the Gradio
-demo's logic), `bench/`. SPEC ids (Q1, T5, G3, ...) are explained in docs/spec.md.
+The modules at this level (and `backends/`) are the engine core, which imports
+nothing outside itself, and its front: this file, `engine.py` (which builds an engine
+from a config), `streaming.py`, `models.py`, `explain.py` and the command line. The
+outer layers are subpackages that import the core and the front, never the other way
+round: `fast/` (the paged backend's faster runner and kernel), `server/` (OpenAI HTTP
+API), `inspection/` (traces, figures, stepper), `chat/` (the Gradio demo's logic),
+`bench/`, `labs/`. SPEC ids (Q1, T5, G3, ...) are explained in docs/spec.md.
 """
 
 from .config import EngineConfig, PrefillMode

@@ -79,11 +79,11 @@ class EngineConfig:
     num_blocks: int | None = None  # None -> derived from max_batch_size * max_model_len
     enable_prefix_caching: bool = True  # K1/K2: reuse the KV of equal prompt prefixes
     # What computes the paged backend's forward: "hf" (the HF model, any architecture),
-    # "compact" (backends/compact.py: the Llama family written out; faster on CPU), or
+    # "compact" (fast/compact.py: the Llama family written out; faster on CPU), or
     # "auto": compact on the paged backend when it can run the model, else hf.
     model_runner: str = "hf"
     # Who computes a decode step's attention on the paged backend: "torch" (paged.py, the
-    # readable version), "kernel" (backends/decode_kernel.c, built on first use: reads the
+    # readable version), "kernel" (fast/decode_kernel.c, built on first use: reads the
     # blocks in place; CPU, float32) or "auto": the kernel where it runs, else torch.
     decode_attention: str = "torch"
 

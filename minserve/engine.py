@@ -89,15 +89,12 @@ class Engine:
 
             storage = KVBlockStorage.for_model(model, num_blocks, bs)
         if config.backend == "paged":
-            from .backends.compact import CompactLlama, unsupported_reasons
             from .backends.paged import PagedBackend
+            from .fast import compact, decode_kernel  # the same math, faster on CPU (opt-in)
 
-            runner = None  # model_runner="hf": the HF model's own forward
-            if config.model_runner == "compact" or (  # "compact" refuses a model it cannot run
-                    config.model_runner == "auto" and not unsupported_reasons(model.config)):
-                runner = CompactLlama(model, self.max_model_len)
-            backend = PagedBackend(model, self.block_manager, storage, self.max_model_len, runner,
-                                   decode_kernel(config.decode_attention, storage))
+            backend = PagedBackend(model, self.block_manager, storage, self.max_model_len,
+                                   compact.runner_for(config.model_runner, model, self.max_model_len),
+                                   decode_kernel.kernel_for(config.decode_attention, storage))
         else:
             backend = PaddedBackend(model, storage=storage)
             backend.block_manager = self.block_manager
@@ -315,28 +312,6 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def decode_kernel(mode: str, storage):
-    """The C decode attention for `EngineConfig.decode_attention` (backends/decode_kernel.py):
-    None for "torch", and for "auto" where it cannot run; "kernel" raises saying why."""
-    from .backends import decode_kernel as dk
-
-    if mode == "torch":
-        return None
-    reason = dk.unsupported_reason(storage.dtype, storage.device, storage.head_dim)
-    if reason is None:
-        try:
-            return dk.load()
-        except RuntimeError as e:
-            reason = str(e)
-    if mode == "kernel":
-        raise ValueError(f"decode_attention='kernel' cannot run here: {reason}; "
-                         "use decode_attention='torch' (or 'auto')")
-    from .failures import log
-
-    log.info("decode attention in PyTorch: the C kernel cannot run here (%s)", reason)
-    return None
 
 
 def request_cap_message(prompt_len: int, max_tokens: int, cap: int, budget: int,

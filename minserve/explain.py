@@ -138,18 +138,6 @@ def _recompute_note(req: Request) -> str:
             f"{'s' if req.num_preemptions != 1 else ''}")
 
 
-def finished_summary(req: Request) -> dict[str, Any]:
-    """What `explain` keeps about a request once it is done."""
-    out = {"request_id": req.request_id, "state": "finished", "session": req.session_id,
-           "finish_reason": req.finish_reason.value if req.finish_reason else None,
-           "tokens_so_far": len(req.output_token_ids), "preemptions": req.num_preemptions}
-    if req.rejection is not None:
-        out["rejection"] = req.rejection.to_dict()
-    if req.error:
-        out["error"] = req.error
-    return out
-
-
 def _finished_sentence(done: dict[str, Any]) -> str:
     if done.get("rejection"):
         r = done["rejection"]

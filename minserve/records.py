@@ -90,6 +90,19 @@ def card(req) -> dict[str, Any]:
             "recompute": len(req.recompute_token_ids)}
 
 
+def finished_summary(req) -> dict[str, Any]:
+    """A finished request in a few fields: what the scheduler keeps of its newest finished
+    requests (`recent_finished`), for `explain` to answer about them."""
+    out = {"request_id": req.request_id, "state": "finished", "session": req.session_id,
+           "finish_reason": req.finish_reason.value if req.finish_reason else None,
+           "tokens_so_far": len(req.output_token_ids), "preemptions": req.num_preemptions}
+    if req.rejection is not None:
+        out["rejection"] = req.rejection.to_dict()
+    if req.error:
+        out["error"] = req.error
+    return out
+
+
 def snapshot(s, admit: AdmitRecord | None = None, prefill: PrefillRecord | None = None,
              evict: EvictRecord | None = None, decode: DecodeRecord | None = None,
              duration_s: float = 0.0, tick: int | None = None) -> TickRecord:

@@ -15,14 +15,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from .sampling import SamplingParams
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .streaming import RequestHandle
 
 
 class RequestStatus(str, Enum):
@@ -37,6 +34,20 @@ class FinishReason(str, Enum):
     LENGTH = "length"  # max_tokens reached
     CANCELLED = "cancelled"  # the client went away or called cancel()
     ERROR = "error"  # rejected by a gate (see `rejection`) or a failure in the engine
+
+
+class Sink(Protocol):
+    """Where the tick posts a request's tokens and its end (execute.py, `Scheduler._finish`).
+    The engine's front gives every request a `streaming.RequestHandle`, which detokenizes
+    and streams; the core knows only these three members of it."""
+
+    @property
+    def text(self) -> str: ...  # the text so far, for the final RequestOutput
+
+    def _on_token(self, index: int, token_id: int) -> bool: ...  # True: a stop string ended it
+
+    def _finish(self, output: RequestOutput, finish_reason: str,
+                rejection: dict[str, Any] | None = None, error: str | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -109,7 +120,7 @@ class Request:
     cancel_requested: bool = False
     generator: torch.Generator | None = None  # per-request RNG (sampling.py)
     timing: RequestTiming = field(default_factory=RequestTiming)
-    handle: RequestHandle | None = None  # where tokens are streamed (streaming.py)
+    handle: Sink | None = None  # where tokens are streamed (a streaming.RequestHandle)
 
     def __post_init__(self) -> None:
         assert len(self.prompt_token_ids) >= 1, "a request needs at least one prompt token"

@@ -52,7 +52,6 @@ from .admission import MODES
 from .backends.base import Backend
 from .config import EngineConfig, PrefillMode
 from .execute import Piece
-from .explain import finished_summary
 from .policies import Policy
 from .records import AdmitRecord, DecodeRecord, EvictRecord, PrefillRecord, TickRecord
 from .request import FinishReason, Rejection, Request, RequestOutput, RequestStatus
@@ -373,7 +372,7 @@ class Scheduler:
         req.timing.finished = time.perf_counter()
         with self.queue_lock:
             self.requests.pop(req.request_id, None)
-            self.recent_finished[req.request_id] = finished_summary(req)
+            self.recent_finished[req.request_id] = records.finished_summary(req)
             while len(self.recent_finished) > self.RECENT:
                 self.recent_finished.popitem(last=False)
             try:

@@ -1,4 +1,4 @@
-"""SPEC B2 for `model_runner="compact"` (backends/compact.py): the written-out Llama
+"""SPEC B2 for `model_runner="compact"` (fast/compact.py): the written-out Llama
 forward gives Hugging Face's tokens and logits.
 
 Token-exact against `generate` on each prompt alone, in every prefill mode, with prefix
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from minserve import EngineConfig, SamplingParams
-from minserve.backends.compact import CompactLlama, Linear
 from minserve.backends.paged import PagedBackend, PagedForward
+from minserve.fast.compact import CompactLlama, Linear
 from minserve.kv_cache import BlockManager
 
 from .conftest import hf_greedy, make_engine, run_checked

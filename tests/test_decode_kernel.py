@@ -1,4 +1,4 @@
-"""`decode_attention="kernel"` (backends/decode_kernel.c): the decode step's attention in C,
+"""`decode_attention="kernel"` (fast/decode_kernel.c): the decode step's attention in C,
 reading each row's blocks in place, must compute what `paged._attend` computes (to float
 rounding) and give Hugging Face `generate`'s tokens (SPEC B2). Where it cannot run it is
 refused at construction ("kernel") or left out ("auto"), never half-used."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from minserve import EngineConfig, SamplingParams
-from minserve.backends import decode_kernel
 from minserve.backends.kv_storage import KVBlockStorage
 from minserve.backends.paged import PagedForward, _attend
+from minserve.fast import decode_kernel
 from minserve.models import tiny_llama
 
 from .conftest import hf_greedy, make_engine, run_checked

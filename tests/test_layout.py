@@ -1,27 +1,47 @@
 """The folder layout is the architecture (STYLE 1): arrows point inward, no cycles.
 
-The core is the modules at the package top plus `backends/`; the outer layers
-are subpackages. Every `import` in the package (module level and inside
-functions alike: a lazy import is still an arrow) is read with `ast`, resolved
-to a module, and checked:
+Three tiers, as scripts/core_size.py counts them (its `FRONT` is the one list):
 
-* the core imports no outer layer;
-* each outer layer imports only what its `__init__` docstring allows;
+    core     the modules at the package top plus `backends/`, but the front
+    front    `FRONT`: the package's __init__, engine.py (the composition root),
+             streaming, models, explain, the command line
+    outer    the subpackages: server, inspection, chat, bench, labs, and fast (the
+             paged backend's opt-in runner and kernel)
+
+Every `import` in the package (module level and inside functions alike: a lazy
+import is still an arrow) is read with `ast`, resolved to a module, and checked:
+
+* the core imports only the core: it reads on its own, without the front;
+* the front imports the core, itself and `fast` (the engine builds its parts);
+* each outer layer imports the core, the front and what its `__init__` allows;
 * the module graph has no cycle (a package's `__init__` counts as a module).
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "minserve"
-OUTER = ("server", "inspection", "chat", "bench", "labs")
-# what each outer layer may import besides the core and itself (its __init__ says why)
-ALLOWED = {"server": set(), "inspection": set(), "chat": {"inspection", "server"}, "bench": {"chat"},
-           "labs": {"bench"}}
+OUTER = ("server", "inspection", "chat", "bench", "labs", "fast")
+# what each outer layer may import besides the core, the front and itself (its __init__ says why)
+ALLOWED = {"server": set(), "inspection": set(), "chat": {"inspection", "server"},
+           "bench": {"chat", "fast"}, "labs": {"bench"}, "fast": set()}
+
+
+def _front() -> set[str]:
+    spec = importlib.util.spec_from_file_location(
+        "core_size", PKG.parent / "scripts" / "core_size.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return {"minserve" if name == "__init__.py" else "minserve." + name.removesuffix(".py")
+            for name in mod.FRONT}
+
+
+FRONT = _front()
 
 
 def module_name(path: Path) -> str:
@@ -69,18 +89,28 @@ def graph() -> dict[str, set[str]]:
 
 def layer(mod: str) -> str:
     parts = mod.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in OUTER else "core"
+    if len(parts) > 1 and parts[1] in OUTER:
+        return parts[1]
+    return "front" if mod in FRONT else "core"
 
 
 def test_the_core_imports_no_outer_layer():
-    bad = {(m, t) for m, ts in graph().items() if layer(m) == "core" and m != "minserve.__main__"
+    bad = {(m, t) for m, ts in graph().items() if layer(m) == "core"
            for t in ts if layer(t) != "core"}
-    assert not bad, f"core modules import outer layers: {sorted(bad)}"
+    assert not bad, f"core modules import outer layers or the front: {sorted(bad)}"
+
+
+def test_the_front_imports_the_core_and_the_fast_paths_only():
+    # (but the command line: `minserve serve` and `minserve bench` are the outer layers')
+    bad = {(m, t) for m, ts in graph().items() if layer(m) == "front" and m != "minserve.__main__"
+           for t in ts if layer(t) not in ("core", "front", "fast")}
+    assert not bad, f"the front imports {sorted(bad)}"
+    assert {"minserve.engine", "minserve.streaming"} <= FRONT <= set(modules())
 
 
 @pytest.mark.parametrize("outer", OUTER)
 def test_each_outer_layer_imports_only_what_its_init_allows(outer):
-    allowed = {"core", outer} | ALLOWED[outer]
+    allowed = {"core", "front", outer} | ALLOWED[outer]
     bad = {(m, t) for m, ts in graph().items() if layer(m) == outer for t in ts
            if layer(t) not in allowed}
     assert not bad, f"{outer} imports {sorted(bad)}; its __init__ allows {sorted(allowed)}"
@@ -111,7 +141,8 @@ def test_there_is_no_import_cycle():
 
 
 def test_the_import_reader_sees_a_cycle_and_a_lazy_import(tmp_path, monkeypatch):
-    """The checks above can fail: a two-module cycle through a function-level import."""
+    """The checks above can fail: a two-module cycle through a function-level import, a
+    core module that imports an outer layer, then one that imports the front."""
     pkg = tmp_path / "minserve"
     (pkg / "server").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -127,4 +158,10 @@ def test_the_import_reader_sees_a_cycle_and_a_lazy_import(tmp_path, monkeypatch)
     with pytest.raises(AssertionError, match="cycle"):
         test_there_is_no_import_cycle()
     with pytest.raises(AssertionError, match="core modules import outer layers"):
+        test_the_core_imports_no_outer_layer()
+    # a core module that reaches for the front (the engine) fails as well
+    (pkg / "c.py").write_text("from .engine import Engine\n")
+    (pkg / "engine.py").write_text("from .server import api\n")
+    assert graph()["minserve.c"] == {"minserve.engine"}
+    with pytest.raises(AssertionError, match="or the front"):
         test_the_core_imports_no_outer_layer()

@@ -73,7 +73,7 @@ class RowGroup:
     # one row per (KV head, row): (H_kv * B, 1, M*S). Built once per forward, used by
     # every layer's `baddbmm` (see `_attend`).
     decode_bias: torch.Tensor | None = None
-    # decode with the C kernel (decode_kernel.py): tokens each row holds after this
+    # decode with the C kernel (fast/decode_kernel.py): tokens each row holds after this
     # forward, (B,) int64; `read_blocks` is then each row's whole table (no shared prefix
     # split: the kernel reads a shared block from the CPU's cache for every row)
     lengths: torch.Tensor | None = None
@@ -94,7 +94,7 @@ class PagedForward:
     storage: KVBlockStorage
     write_slots: torch.Tensor  # (N,) pool slot of each new token, in flat token order
     groups: list[RowGroup]
-    kernel: Any = None  # a decode_kernel.DecodeKernel: decode groups attend in C
+    kernel: Any = None  # a fast.decode_kernel.DecodeKernel: decode groups attend in C
 
     @classmethod
     def build(cls, storage: KVBlockStorage, block_tables: list[list[int]],
@@ -110,7 +110,7 @@ class PagedForward:
                    kernel: Any = None) -> PagedForward:
         """`rows`: (block table, first new position, T new tokens) per row, in flat token
         order; rows with the same T must be consecutive (they form one group). `kernel`:
-        decode groups attend with it (decode_kernel.py) instead of `_attend`'s PyTorch."""
+        decode groups attend with it (fast/decode_kernel.py) instead of `_attend`'s PyTorch."""
         write = [storage.slot_mapping(table, s, s + T) for table, s, T in rows]
         groups, offset, i = [], 0, 0
         while i < len(rows):
@@ -200,7 +200,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 def paged_attention(ctx: PagedForward, layer: int, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, scale: float) -> torch.Tensor:
     """One layer's paged attention: q (B, H, T, D), this forward's new k/v (B, H_kv, T, D)
-    -> out (B, T, H, D). Called by the HF hook above and by `compact.CompactLlama`."""
+    -> out (B, T, H, D). Called by the HF hook above and by `fast.compact.CompactLlama`."""
     B, H, T, D = query.shape
     H_kv = key.shape[1]
     # 1. Write: this forward's new K/V into their slots. Done first, so the gather
@@ -303,11 +303,13 @@ class PagedBackend(Backend):
     `runner` is what computes a forward: None, the HF model itself with this file's
     attention installed (any architecture transformers has), or an object whose
     `forward(ids, positions, ctx, logits_to_keep)` does it over this pool:
-    `compact.CompactLlama`, the Llama family's forward written out (faster on CPU;
+    `fast.compact.CompactLlama`, the Llama family's forward written out (faster on CPU;
     `EngineConfig(model_runner="compact")` builds one).
 
     `kernel`: None, decode attention in PyTorch (`_attend`), or a
-    `decode_kernel.DecodeKernel` that decode steps attend with (`decode_attention`).
+    `fast.decode_kernel.DecodeKernel` that decode steps attend with (`decode_attention`).
+    Both come from the outer layer `minserve/fast/`, handed in by the engine: this file
+    never imports them.
     """
 
     name = "paged"

@@ -22,8 +22,10 @@ tick of the HF model against the compact forward and the weight-matmul floor; `d
 demo's light user under its flood (docs/demo.md); `docs_report.py` writes each
 benchmark's own section of docs/benchmarks.md.
 
-May import: the core (it builds Engines), its own modules and `minserve.chat`
-(`demo_wait.py` measures the demo's own logic, not a copy of it); `targets.py`
-speaks HTTP to any OpenAI-compatible server (minserve's or another) through
-httpx, never through `minserve.server`. Never imported by the core.
+May import: the core and its front (it builds Engines), its own modules,
+`minserve.fast` (`attention_bench.py` and `linear_bench.py` time its parts against
+the readable versions) and `minserve.chat` (`demo_wait.py` measures the demo's
+own logic, not a copy of it); `targets.py` speaks HTTP to any OpenAI-compatible
+server (minserve's or another) through httpx, never through `minserve.server`.
+Never imported by the core.
 """

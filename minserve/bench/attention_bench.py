@@ -43,9 +43,9 @@ def _rows(B: int, num_blocks: int, seed: int) -> list[tuple[list[int], int, int]
 
 def layer_times(B: int, rounds: int = 60) -> dict[str, float]:
     """Median ms of one layer's decode attention at batch B, each way."""
-    from ..backends import decode_kernel
     from ..backends.kv_storage import KVBlockStorage
     from ..backends.paged import PagedForward, _attend
+    from ..fast import decode_kernel
 
     storage = KVBlockStorage(1024, S, 1, H_KV, D)
     for t in storage.flat(0):

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-docs", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from ..backends.compact import CompactLlama
+    from ..fast.compact import CompactLlama
     from ..models import load_model
 
     model, _ = load_model(None, "float32", "cpu")

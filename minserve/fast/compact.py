@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .paged import PagedForward, paged_attention
+from ..backends.paged import PagedForward, paged_attention
 
 # HF model_type -> its layers are Llama's (pre-norm RMSNorm, RoPE, SiLU-gated MLP),
 # differing only in biases: Qwen2 has q/k/v biases, Mistral a sliding window (the paged
@@ -64,6 +64,15 @@ def unsupported_reasons(config) -> list[str]:
     if rope.get("rope_type", "default") not in STATIC_ROPE_TYPES:
         reasons.append(f"rope_type={rope.get('rope_type')!r} (compact runs {STATIC_ROPE_TYPES})")
     return reasons
+
+
+def runner_for(mode: str, model: torch.nn.Module, max_model_len: int) -> CompactLlama | None:
+    """The runner `EngineConfig.model_runner` asks for: None for "hf" (the HF model's own
+    forward), and for "auto" where compact cannot run the model; "compact" refuses such
+    a model (`CompactLlama` raises saying why)."""
+    if mode == "compact" or (mode == "auto" and not unsupported_reasons(model.config)):
+        return CompactLlama(model, max_model_len)
+    return None
 
 
 def _rope_parameters(config) -> dict:

@@ -89,6 +89,26 @@ class DecodeKernel:
         return out  # (B, H, D)
 
 
+def kernel_for(mode: str, storage) -> DecodeKernel | None:
+    """The kernel `EngineConfig.decode_attention` asks for, over a pool of `storage`'s
+    kind: None for "torch", and for "auto" where it cannot run; "kernel" raises saying why."""
+    if mode == "torch":
+        return None
+    reason = unsupported_reason(storage.dtype, storage.device, storage.head_dim)
+    if reason is None:
+        try:
+            return load()
+        except RuntimeError as e:
+            reason = str(e)
+    if mode == "kernel":
+        raise ValueError(f"decode_attention='kernel' cannot run here: {reason}; "
+                         "use decode_attention='torch' (or 'auto')")
+    from ..failures import log
+
+    log.info("decode attention in PyTorch: the C kernel cannot run here (%s)", reason)
+    return None
+
+
 def load() -> DecodeKernel:
     """The kernel, built on first use (then cached on disk and in this process).
     Raises RuntimeError saying why when there is no C compiler or the build fails."""

@@ -12,8 +12,8 @@ layer only reads them:
     from minserve.inspection import viz, TraceRecorder, Trace
     from minserve.inspection.stepper import Stepper
 
-May import: the core (records, sampling; an Engine is passed in, never built
-here) and its own modules. Never imported by the core. `viz` and the stepper
+May import: the core and its front (records, sampling; an Engine is passed in,
+never built here) and its own modules. Never imported by the core. `viz` and the stepper
 need the `viz` extra (plotly, ipywidgets); `trace` needs nothing beyond the core.
 """
 

@@ -14,7 +14,7 @@ real `Engine`. These modules hold what the lab notebooks call: how to plug the p
     blocks.py    lab 5: the block manager          chunked.py lab 6: the chunk schedule
     capstone.py  lab 7: your own policy against FCFS and VTC on `minserve bench`
 
-May import: the core (it builds Engines and plugs pieces into them), its own modules and
-`minserve.bench` (the capstone scores a policy with the benchmark's own workload and
+May import: the core and its front (it builds Engines and plugs pieces into them), its
+own modules and `minserve.bench` (the capstone scores a policy with the benchmark's own workload and
 metrics). Never imported by the core.
 """

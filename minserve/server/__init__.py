@@ -13,8 +13,8 @@ One concept per file:
     access.py    the API key and the served model names
     cli.py       `minserve serve`: engine knobs as flags and environment variables
 
-May import: the core (`minserve.engine`, `config`, `request`, `sampling`,
-`streaming`) and its own modules. Never imported by the core; the chat demo
+May import: the core and its front (`minserve.engine`, `config`, `request`,
+`sampling`, `streaming`) and its own modules. Never imported by the core; the chat demo
 (`minserve.chat`) imports `errors` and `cli` so both front ends word refusals
 and read knobs the same way. Needs the `server` extra (fastapi, uvicorn).
 """

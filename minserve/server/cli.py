@@ -55,7 +55,7 @@ from .limits import ServerLimits
 SERVING_DEFAULTS: dict[str, Any] = {
     # serving speed (docs/benchmarks.md, "Side by side"): blocks with prefix caching,
     # the compact forward where it runs the model, decode attention in C where it can be
-    # built (backends/decode_kernel.c), prompt chunks inside the decode forward
+    # built (fast/decode_kernel.c), prompt chunks inside the decode forward
     # and room for 64 rows in 2,048 blocks of 16 tokens (1.5 GB of KV for SmolLM2-135M)
     "backend": "paged", "model_runner": "auto", "decode_attention": "auto",
     "prefill_mode": "mixed_batch",
