@@ -432,7 +432,7 @@ def test_the_stepper_clears_subplot_titles_when_the_batch_figure_empties():
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    from minserve.inspection.stepper import redraw
+    from minserve.inspection.panel import redraw
 
     fw = go.FigureWidget(make_subplots(rows=2, cols=1, subplot_titles=("mask", "positions")))
     sent: list[dict] = []

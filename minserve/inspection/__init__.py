@@ -7,7 +7,8 @@ layer only reads them:
                  no model needed), describe_tick / describe_phase (one line of prose)
     viz/         plotly figures drawn from a record or a trace: queues, padding masks,
                  block tables, the block pool, timelines, fairness, work per tick
-    stepper.py   the ipywidgets stepper: next phase / next tick / run N, figures redrawn
+    stepper.py   the stepper: next phase / next tick / run N / add a request, as methods
+    panel.py     its ipywidgets face: buttons, status, requests, figures redrawn in place
 
     from minserve.inspection import viz, TraceRecorder, Trace
     from minserve.inspection.stepper import Stepper

@@ -20,16 +20,13 @@ Phases one at a time are exactly `Scheduler.step` cut in four: the same
 public phase methods in the same order (T5); after the fourth the tick counter
 moves on and the tick's record joins the trace.
 
-The layout is compact on purpose: buttons, then what happened and the requests'
-text side by side, then the figures with the timeline first, so a click and its
-effect are on one screen.
+What a notebook shows is panel.py's (`StepperPanel`, built when the stepper is first
+displayed); this file is what the buttons do and what there is to show.
 """
 
 from __future__ import annotations
 
-import html
 import random
-import re
 from contextlib import contextmanager
 from typing import Any
 
@@ -70,6 +67,8 @@ class Stepper:
     `prompt_len` (seeded: the same clicks give the same run).
     """
 
+    examples = EXAMPLE_PROMPTS
+
     def __init__(self, engine, figures=("timeline", "queues", "batch", "kv_blocks"), *,
                  prompt_len: int = 12, max_tokens: int = 8, seed: int = 0) -> None:
         unknown = set(figures) - set(FIGURES)
@@ -79,8 +78,8 @@ class Stepper:
         self._default_prompt_len, self._default_max_tokens = prompt_len, max_tokens
         self._seed = seed
         self._opening: list[dict[str, Any]] = []  # requests added before the first tick
-        self._widget = None
-        self._figs: dict[str, go.FigureWidget] = {}
+        self._panel = None  # the ipywidgets panel, once shown (panel.py)
+        self._figs: dict[str, go.FigureWidget] = {}  # its figures, redrawn in place
         self._attach(engine)
 
     def _attach(self, engine) -> None:
@@ -134,11 +133,11 @@ class Stepper:
     @contextmanager
     def _quiet(self):
         """Inside it, `refresh` draws nothing: several steps, one redraw after."""
-        widget, self._widget = self._widget, None
+        panel, self._panel = self._panel, None
         try:
             yield
         finally:
-            self._widget = widget
+            self._panel = panel
 
     def run(self, n: int = 5) -> list[TickRecord]:
         """Up to `n` ticks (stops early when the engine is idle); one redraw at the end."""
@@ -263,14 +262,17 @@ class Stepper:
                          "text": out})
         return rows
 
-    # --- the widget ----------------------------------------------------------------------------
+    # --- the widget (panel.py draws it) -------------------------------------------------------
     @property
     def widget(self):
-        """The ipywidgets box (built on first use)."""
-        if self._widget is None:
-            self._widget = self._build()
+        """The ipywidgets box (built on first use: `panel.StepperPanel`)."""
+        if self._panel is None:
+            from .panel import StepperPanel
+
+            self._panel = StepperPanel(self)
+            self._figs = self._panel.figs
             self.refresh()
-        return self._widget
+        return self._panel.box
 
     def _ipython_display_(self) -> None:
         from IPython.display import display
@@ -278,109 +280,6 @@ class Stepper:
         display(self.widget)
 
     def refresh(self) -> None:
-        """Redraw every figure in place (a no-op before the widget is shown)."""
-        if self._widget is None:
-            return
-        self._status.value = ("<pre style='font-size:11px;line-height:1.35;margin:0;"
-                              "white-space:pre-wrap;word-break:normal;overflow-wrap:break-word'>"
-                              f"{html.escape(self.status())}</pre>")
-        self._table.value = _requests_html(self.requests(), self.tokenizer is not None)
-        if self.tokenizer is not None:
-            nxt = EXAMPLE_PROMPTS[self._examples % len(EXAMPLE_PROMPTS)]
-            if self._prompt.value in EXAMPLE_PROMPTS or not self._prompt.value:
-                self._prompt.value = nxt
-        for name, fig in self.figures().items():
-            fw = self._figs.get(name)
-            if fw is None:
-                continue
-            redraw(fw, fig)
-
-    def _build(self):
-        import ipywidgets as w
-
-        small = {"width": "auto"}
-        b_phase = w.Button(description="next phase", icon="step-forward", layout=small)
-        b_tick = w.Button(description="next tick", icon="fast-forward", layout=small)
-        n_ticks = w.BoundedIntText(value=5, min=1, max=1000, description="N",
-                                   layout={"width": "110px"}, style={"description_width": "20px"})
-        b_run = w.Button(description="run N ticks", icon="play", layout=small)
-        b_reset = w.Button(description="reset (fresh engine)", icon="refresh", layout=small,
-                           tooltip="a new engine with the same model; the opening requests again")
-        session = w.Text(value="alice", description="session", layout={"width": "170px"},
-                         style={"description_width": "55px"})
-        mtok = w.BoundedIntText(value=self._default_max_tokens, min=1, max=4096,
-                                description="max_tokens", layout={"width": "170px"},
-                                style={"description_width": "initial"})
-        b_add = w.Button(description="add request", icon="plus", layout=small,
-                         button_style="info")
-        has_tok = self.tokenizer is not None
-        self._prompt = w.Text(value="", description="prompt", layout={"width": "360px"},
-                              style={"description_width": "50px"},
-                              placeholder="a question (the next example when empty)")
-        chat = w.Checkbox(value=True, description="chat template", indent=False,
-                          layout={"width": "120px"})
-        plen = w.BoundedIntText(value=self._default_prompt_len, min=1, max=4096,
-                                description="~prompt len", layout={"width": "170px"},
-                                style={"description_width": "80px"})
-
-        def add(_):
-            text = self._prompt.value.strip() if has_tok else ""
-            prompt = None
-            if text:
-                prompt = [{"role": "user", "content": text}] if chat.value else text
-                if text in EXAMPLE_PROMPTS:
-                    self._examples += 1
-            self.add_request(prompt, max_tokens=mtok.value, session=session.value or "default",
-                             prompt_len=plen.value, chat=chat.value)
-
-        b_phase.on_click(lambda _: self.next_phase())
-        b_tick.on_click(lambda _: self.next_tick())
-        b_run.on_click(lambda _: self.run(n_ticks.value))
-        b_reset.on_click(lambda _: self.reset())
-        b_add.on_click(add)
-        self._status = w.HTML(layout={"width": "50%"})
-        self._table = w.HTML(layout={"width": "50%"})
-        self._figs = {name: go.FigureWidget(fig) for name, fig in self.figures().items()}
-        add_row = [self._prompt, chat] if has_tok else [plen]
-        return w.VBox([
-            w.HBox([b_phase, b_tick, n_ticks, b_run, b_reset]),
-            w.HBox([*add_row, session, mtok, b_add]),
-            w.HBox([self._status, self._table]),
-            *self._figs.values()], layout={"max_width": "100%"})
-
-
-def _requests_html(rows: list[dict[str, Any]], text: bool) -> str:
-    """The requests as a small table; the session cell in the session's colour."""
-    if not rows:
-        return "<i>no requests yet: add one</i>"
-    head = ("<tr><th>request</th><th>session</th><th>state</th><th>prompt</th>"
-            f"<th>{'output so far' if text else 'output token ids'}</th></tr>")
-    body = []
-    for r in rows:
-        color = viz.session_color(r["session"])
-        out = html.escape(r["text"]) or "<i>-</i>"
-        body.append(
-            f"<tr><td>{r['id']}</td><td><span style='background:{color};color:white;"
-            f"padding:0 4px;border-radius:3px'>{html.escape(r['session'])}</span></td>"
-            f"<td>{html.escape(r['state'])}</td><td>{r['prompt_tokens']} tok</td>"
-            f"<td style='max-width:330px'>{out} <span style='color:#888'>"
-            f"({r['output_tokens']}/{r['max_tokens']})</span></td></tr>")
-    return ("<div style='max-height:170px;overflow-y:auto;font-size:12px'>"
-            "<table style='border-collapse:collapse' cellpadding='2'>"
-            + head + "".join(body) + "</table></div>")
-
-
-def redraw(fw: go.FigureWidget, fig: go.Figure) -> None:
-    """Show `fig` in the widget `fw`, in place. A new layout reaches the browser as a
-    relayout, which *merges*: what the old layout had and the new one lacks (the two
-    subplot titles and second axes of a padded batch, when the batch empties) stayed,
-    drawn over the empty figure's title. So those are emptied first, explicitly."""
-    gone = set(fw.layout.to_plotly_json()) - set(fig.layout.to_plotly_json())
-    resets = {key: [] for key in gone & {"annotations", "shapes", "images"}}
-    resets |= {f"{key}.visible": False for key in gone if re.fullmatch(r"[xy]axis\d+", key)}
-    if resets:
-        fw.plotly_relayout(resets)
-    with fw.batch_update():
-        fw.data = ()
-        fw.add_traces(list(fig.data))
-        fw.layout = fig.layout
+        """Redraw the panel in place (a no-op before the widget is shown)."""
+        if self._panel is not None:
+            self._panel.refresh()
