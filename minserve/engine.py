@@ -96,7 +96,9 @@ class Engine:
                                    compact.runner_for(config.model_runner, model, self.max_model_len),
                                    decode_kernel.kernel_for(config.decode_attention, storage))
         else:
-            backend = PaddedBackend(model, storage=storage)
+            from .fast.in_place_cache import InPlaceLayer  # the same floats, no copy per step
+
+            backend = PaddedBackend(model, storage=storage, decode_layer=InPlaceLayer)
             backend.block_manager = self.block_manager
         policy = make_policy(config.policy, config.fair_w_in, config.fair_w_out,
                              config.fair_max_sessions)

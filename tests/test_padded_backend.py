@@ -126,3 +126,44 @@ def test_prefill_together_gives_each_row_the_logits_and_kv_it_gets_alone(tiny_mo
             assert la.keys.shape == lb.keys.shape
             assert torch.allclose(la.keys, lb.keys, atol=1e-5)
             assert torch.allclose(la.values, lb.values, atol=1e-5)
+
+
+def test_the_decode_batch_grows_in_place_and_computes_what_hf_cache_layers_compute(tiny_model):
+    """fast/in_place_cache.py, which the engine gives every padded backend: over a workload
+    whose rows join and leave mid-flight, every decode step's logits are the ones HF's own
+    `DynamicLayer` gives; and a step in which no row joined or left writes into the
+    buffer the batch already had (no copy of its KV), where HF's layer copies every step."""
+    from minserve.fast.in_place_cache import InPlaceLayer
+
+    prompts = [list(range(1, 1 + n)) for n in (5, 17, 9, 30, 3, 12)]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (6, 3, 9, 4, 7, 5)]
+    runs = {}
+    for name, layer in (("hf", None), ("in_place", InPlaceLayer)):
+        engine = make_engine(tiny_model, max_batch_size=3)
+        backend = engine.scheduler.backend
+        assert backend.decode_layer is InPlaceLayer  # what the engine gives
+        backend.decode_layer = layer
+        steps = []  # (rows, logits, where layer 0's keys live) per decode step
+        real = backend.decode_step_batched
+
+        def step(reqs, toks, real=real, backend=backend, steps=steps):
+            out = real(reqs, toks)
+            steps.append((tuple(backend.row_ids), out.clone(),
+                          backend.cache.layers[0].keys.data_ptr()))
+            return out
+
+        backend.decode_step_batched = step
+        outs = engine.generate(prompts, params)
+        assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
+        runs[name] = steps
+    hf, in_place = runs["hf"], runs["in_place"]
+    assert [rows for rows, _, _ in hf] == [rows for rows, _, _ in in_place]
+    for (rows, a, _), (_, b, _) in zip(hf, in_place):
+        assert torch.allclose(a, b, atol=1e-5), rows
+    assert len({rows for rows, _, _ in hf}) > 3  # rows joined and left mid-flight
+
+    def same_rows_pairs(steps):
+        return [(p, q) for (r1, _, p), (r2, _, q) in zip(steps, steps[1:]) if r1 == r2]
+
+    assert same_rows_pairs(in_place) and all(p == q for p, q in same_rows_pairs(in_place))
+    assert all(p != q for p, q in same_rows_pairs(hf))

@@ -51,62 +51,12 @@ from ..request import Request
 from .base import Backend, model_forward_kwargs
 
 
-def _in_place_layer_class():
-    """`InPlaceLayer`, built on first use so that importing this module stays light."""
-    from transformers.cache_utils import DynamicLayer
-
-    class InPlaceLayer(DynamicLayer):
-        """A `DynamicCache` layer for the decode batch that grows into spare room.
-
-        `DynamicLayer.update` does `keys = torch.cat([keys, new], dim=-2)`: every
-        decode step copies the whole batch's KV, (B, H_kv, L, D) per layer, to add
-        one column -- O(B*L) bytes per step, which at L ~ 500 costs as much as a
-        tenth of the forward on a CPU. Here `keys`/`values` are views of a buffer
-        with SLACK spare columns; a step writes its column in place:
-
-            buffer (B, H_kv, L + SLACK, D):   [ k k k k k k k | . . . . ]
-            keys = buffer[:, :, :L]                        new column -> L
-
-        The buffer is (re)allocated -- one copy, what `cat` did at every step --
-        only when the room runs out (every SLACK steps) or when the backend has
-        replaced `keys` itself (a row spliced in or removed: new storage).
-        """
-
-        SLACK = 64
-
-        @classmethod
-        def from_layer(cls, layer) -> InPlaceLayer:
-            new = cls.__new__(cls)
-            new.__dict__.update(layer.__dict__)  # same tensors, same flags
-            new._buf_k = new._buf_v = None
-            return new
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            n, t = (self.keys.shape[-2] if self.keys.numel() else 0), key_states.shape[-2]
-            buf = self._buf_k
-            if (buf is None or self.keys.data_ptr() != buf.data_ptr()
-                    or self.keys.shape[:2] != buf.shape[:2] or n + t > buf.shape[-2]):
-                B, H, _, D = key_states.shape
-                self._buf_k = key_states.new_empty(B, H, n + t + self.SLACK, D)
-                self._buf_v = value_states.new_empty(B, H, n + t + self.SLACK, D)
-                if n:
-                    self._buf_k[:, :, :n] = self.keys
-                    self._buf_v[:, :, :n] = self.values
-            self._buf_k[:, :, n:n + t] = key_states
-            self._buf_v[:, :, n:n + t] = value_states
-            self.keys, self.values = self._buf_k[:, :, :n + t], self._buf_v[:, :, :n + t]
-            return self.keys, self.values
-
-    return InPlaceLayer
-
-
 class PaddedBackend(Backend):
     name = "padded"
     supports_batched_prefill = True
 
-    def __init__(self, model: torch.nn.Module, storage=None, trim_on_remove: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, storage=None, trim_on_remove: bool = True,
+                 decode_layer: type | None = None) -> None:
         from transformers import DynamicCache
 
         self._DynamicCache = DynamicCache
@@ -123,7 +73,11 @@ class PaddedBackend(Backend):
         # the batch keeps its width until it empties: more padding computed over (watch
         # it in notebook 02), and mask width > kv_length, the situation R3 is about.
         self.trim_on_remove = trim_on_remove
-        self._in_place_layer = None  # the InPlaceLayer class, once built
+        # What the decode batch's cache layers are: None, HF's own (each step's
+        # `DynamicLayer.update` concatenates one column onto the whole batch's KV), or a
+        # subclass with `from_layer(layer)` that computes the same faster: the engine
+        # gives `fast.in_place_cache.InPlaceLayer`, which writes the column in place.
+        self.decode_layer = decode_layer
 
     # --- prefill side --------------------------------------------------------------------
     def begin_prefill(self, req: Request) -> None:
@@ -224,10 +178,8 @@ class PaddedBackend(Backend):
         n = row.get_seq_length()
         if self.cache is None or not self.row_ids:
             self.cache, self.row_ids = row, [req.request_id]
-            # The decode batch's cache grows in place (no torch.cat per step): see InPlaceLayer.
-            layer_cls = self._in_place_layer or _in_place_layer_class()
-            self._in_place_layer = layer_cls
-            row.layers = [layer_cls.from_layer(layer) for layer in row.layers]
+            if self.decode_layer is not None:  # e.g. grows in place, no torch.cat per step
+                row.layers = [self.decode_layer.from_layer(layer) for layer in row.layers]
             self.mask = torch.ones(1, n, dtype=torch.long, device=self.device)
             return
         width = self.mask.shape[1]  # R3: the mask's own width, not kv_length
@@ -275,9 +227,10 @@ class PaddedBackend(Backend):
         return logits[torch.tensor([order[r.request_id] for r in reqs], device=self.device)]
 
     def _restore(self, saved) -> None:
-        """Put back the mask and the layers' keys/values saved before a forward. The
-        in-place buffers only ever wrote *past* the saved views' last column, so the
-        saved views still hold exactly the KV they held."""
+        """Put back the mask and the layers' keys/values saved before a forward. HF's layers
+        made new tensors, and a layer that grows in place (`decode_layer`) only ever wrote
+        *past* the saved views' last column, so the saved views still hold exactly the KV
+        they held."""
         self.mask, layers = saved
         for layer, (k, v) in zip(self.cache.layers, layers):
             layer.keys, layer.values = k, v

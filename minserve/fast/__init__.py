@@ -1,20 +1,25 @@
-"""The same math, faster on a CPU: what `minserve serve` runs by default. An outer layer.
+"""The same math, faster on a CPU: the parts `minserve serve` runs by default. An outer layer.
 
 Nothing here is needed to read or run the engine. The paged backend computes a
-forward with Hugging Face's own model and attends in plain PyTorch (the readable
-versions, and the lessons' defaults); this package offers it two drop-in parts with
-the same results, which it takes as constructor arguments (`PagedBackend(runner=...,
-kernel=...)`), so the core never imports them:
+forward with Hugging Face's own model and attends in plain PyTorch, the padded one
+keeps HF's own cache (the readable versions); this package offers them drop-in parts
+with the same results, which they take as constructor arguments
+(`PagedBackend(runner=..., kernel=...)`, `PaddedBackend(decode_layer=...)`), so the
+core never imports them:
 
     compact.py        `model_runner="compact"`: the Llama family's forward written out
                       (fused, prepacked weights; logits only where a token is sampled)
     decode_kernel.py  `decode_attention="kernel"`: a decode step's attention in C
     decode_kernel.c   (each row's blocks read in place), built on first use
+    in_place_cache.py the padded backend's decode batch grown in place, not copied
+                      every step (`PaddedBackend(decode_layer=...)`)
 
-`"auto"` takes each where it can run and the readable version elsewhere.
-`Engine` picks them from its config (`compact.runner_for`, `decode_kernel.kernel_for`).
-HF `generate` stays the oracle: tests/test_compact.py and tests/test_decode_kernel.py
-check both token-exact against it; docs/benchmarks.md measures what they save.
+`"auto"` takes each where it can run and the readable version elsewhere. `Engine`
+picks the first two from its config (`compact.runner_for`, `decode_kernel.kernel_for`)
+and always gives the padded backend the third. HF `generate` stays the oracle:
+tests/test_compact.py and tests/test_decode_kernel.py check the first two token-exact
+against it, tests/test_padded_backend.py the third against HF's own cache layer;
+docs/benchmarks.md measures what the first two save.
 
 May import: the core, and `minserve.models` (the cache folder the kernel is built
 into). Imported by the engine's front (`engine.py`) and by `minserve.bench`.
