@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,15 @@ from minserve.models import tiny_llama
 
 PHASES = ("admit_pending", "advance_prefill_chunk", "evict_finished", "decode_step")
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    """A file of scripts/ (not a package) as a module: `load_script("core_size")`.
+    Registered in sys.modules, where its dataclasses look their module up."""
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", ROOT / "scripts" / f"{name}.py")
+    mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 WATCHED = ("docs", "notebooks", "README.md", "app.py", "minserve")
 
 

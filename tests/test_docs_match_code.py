@@ -10,7 +10,6 @@ without `explain.py` or `labs/` and its "~2,000 lines" beside 2,505 counted; the
 from __future__ import annotations
 
 import ast
-import importlib.util
 import re
 from pathlib import Path
 
@@ -18,6 +17,8 @@ import pytest
 
 from minserve.bench import figures
 from minserve.policies import Policy
+
+from .conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 PROSE = [ROOT / "README.md", ROOT / "notebooks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -92,18 +93,11 @@ def test_the_architecture_tree_and_the_readme_name_every_module():
     assert not [n for n in subpackages if f"minserve/{n}" not in readme], "README's layers"
 
 
-def _line_counts() -> dict[str, int]:
-    spec = importlib.util.spec_from_file_location("core_size", ROOT / "scripts" / "core_size.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.figures()
-
-
 def test_the_core_line_counts_in_the_docs_are_a_fresh_count_rounded():
     """Every marked line count (the core's, its front's, fast/'s) agrees with
     scripts/core_size.py run now, at the precision the prose chose (so "2,500" survives
     a small edit; "~2,000" does not survive 2,505)."""
-    fresh = _line_counts()
+    fresh = load_script("core_size").figures()
     quoted = [(p, m) for p in PROSE for m in figures.MARKED.finditer(read(p))
               if m["name"] in fresh]
     assert len(quoted) >= 3, quoted  # README (code, all), docs/architecture.md

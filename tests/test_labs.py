@@ -21,16 +21,14 @@ from __future__ import annotations
 import asyncio
 import importlib
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from .conftest import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("labs_script", ROOT / "scripts" / "labs.py")
-labs_script = importlib.util.module_from_spec(spec)
-sys.modules["labs_script"] = labs_script  # its dataclasses look their module up
-spec.loader.exec_module(labs_script)
+labs_script = load_script("labs")
 
 LABS = [p.stem for p in labs_script.lab_sources()]
 MISTAKES = labs_script.corpus()

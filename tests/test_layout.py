@@ -20,10 +20,11 @@ import is still an arrow) is read with `ast`, resolved to a module, and checked:
 from __future__ import annotations
 
 import ast
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from .conftest import load_script
 
 PKG = Path(__file__).resolve().parents[1] / "minserve"
 OUTER = ("server", "inspection", "chat", "bench", "labs", "fast")
@@ -32,16 +33,8 @@ ALLOWED = {"server": set(), "inspection": set(), "chat": {"inspection", "server"
            "bench": {"chat", "fast"}, "labs": {"bench"}, "fast": set()}
 
 
-def _front() -> set[str]:
-    spec = importlib.util.spec_from_file_location(
-        "core_size", PKG.parent / "scripts" / "core_size.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return {"minserve" if name == "__init__.py" else "minserve." + name.removesuffix(".py")
-            for name in mod.FRONT}
-
-
-FRONT = _front()
+FRONT = {"minserve" if name == "__init__.py" else "minserve." + name.removesuffix(".py")
+         for name in load_script("core_size").FRONT}
 
 
 def module_name(path: Path) -> str:

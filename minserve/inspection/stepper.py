@@ -79,7 +79,6 @@ class Stepper:
         self._seed = seed
         self._opening: list[dict[str, Any]] = []  # requests added before the first tick
         self._panel = None  # the ipywidgets panel, once shown (panel.py)
-        self._figs: dict[str, go.FigureWidget] = {}  # its figures, redrawn in place
         self._attach(engine)
 
     def _attach(self, engine) -> None:
@@ -153,7 +152,7 @@ class Stepper:
     def next_prompt(self, chat: bool = False, prompt_len: int | None = None):
         """What "add request" sends when no prompt is given (see the class docstring)."""
         if self.tokenizer is not None:
-            text = EXAMPLE_PROMPTS[self._examples % len(EXAMPLE_PROMPTS)]
+            text = self.examples[self._examples % len(self.examples)]
             self._examples += 1
             return [{"role": "user", "content": text}] if chat else text
         n = prompt_len or self._default_prompt_len
@@ -270,9 +269,13 @@ class Stepper:
             from .panel import StepperPanel
 
             self._panel = StepperPanel(self)
-            self._figs = self._panel.figs
             self.refresh()
         return self._panel.box
+
+    @property
+    def _figs(self) -> dict[str, go.FigureWidget]:
+        """The panel's figures, redrawn in place (none before it is shown)."""
+        return self._panel.figs if self._panel is not None else {}
 
     def _ipython_display_(self) -> None:
         from IPython.display import display
