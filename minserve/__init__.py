@@ -8,7 +8,7 @@ The modules at this level (and `backends/`) are the engine core, which imports
 nothing outside itself, and its front: this file, `engine.py` (which builds an engine
 from a config), `streaming.py`, `models.py`, `explain.py` and the command line. The
 outer layers are subpackages that import the core and the front, never the other way
-round: `fast/` (the paged backend's faster runner and kernel), `server/` (OpenAI HTTP
+round: `fast/` (faster parts the engine hands the backends), `server/` (OpenAI HTTP
 API), `inspection/` (traces, figures, stepper), `chat/` (the Gradio demo's logic),
 `bench/`, `labs/`. SPEC ids (Q1, T5, G3, ...) are explained in docs/spec.md.
 """

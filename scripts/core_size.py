@@ -15,8 +15,9 @@ at the package top and in `backends/`, except the engine's front.
              composition root that builds a model, a backend, a policy and a
              scheduler from a config, and the worker thread), the streaming handles,
              where the model comes from, `explain`, and the command line
-    fast     minserve/fast/: the compact forward and the C decode attention, the
-             paged backend's opt-in runner and kernel (the same tokens, faster)
+    fast     minserve/fast/: the compact forward, the C decode attention and the
+             padded cache grown in place, which the engine hands the backends (the
+             same results, faster)
 
 The tiers are derived from the folders, not listed by hand, so a new module at the
 package top is counted as core unless it is named in FRONT. The README and
@@ -69,11 +70,6 @@ def tier_size(tier: str) -> tuple[int, int]:
     """(lines of code, all lines) of one tier."""
     sizes = [code_lines(ROOT / name) for name in tiers()[tier]]
     return sum(c for c, _ in sizes), sum(n for _, n in sizes)
-
-
-def core_size() -> tuple[int, int]:
-    """(lines of code, all lines) of the engine core."""
-    return tier_size("core")
 
 
 def figures() -> dict[str, int]:

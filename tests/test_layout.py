@@ -6,7 +6,7 @@ Three tiers, as scripts/core_size.py counts them (its `FRONT` is the one list):
     front    `FRONT`: the package's __init__, engine.py (the composition root),
              streaming, models, explain, the command line
     outer    the subpackages: server, inspection, chat, bench, labs, and fast (the
-             paged backend's opt-in runner and kernel)
+             faster parts the engine hands the backends)
 
 Every `import` in the package (module level and inside functions alike: a lazy
 import is still an arrow) is read with `ast`, resolved to a module, and checked:
