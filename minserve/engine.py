@@ -289,7 +289,7 @@ class Engine:
             except Exception as e:  # keep serving: fail the rows in flight, report the error
                 try:
                     self.recover(e)
-                except Exception as e2:  # never let the worker die (issue 23)
+                except Exception as e2:  # never let the worker die (SPEC H5)
                     from .failures import log
 
                     log.error("recovering from a failed tick raised too", exc_info=e2)

@@ -1,7 +1,7 @@
 """Failure isolation: a fault ends only the rows it touched, and the worker lives (SPEC H5).
 
 A tick runs a policy's hooks, a backend's forwards and a sampler over many rows at once.
-One of them raising must not take every stream down with it (issue 23), so each place
+One of them raising must not take every stream down with it (SPEC H5), so each place
 that can raise is caught where the rows it touched are known:
 
     where it raised                        what ends                how

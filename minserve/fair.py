@@ -219,7 +219,7 @@ class FairPolicy(Policy):
             # the clock V for the next arrival (see "When nobody waits").
             self._last_left.pop(req.priority, None)
             self._last_left[req.priority] = self.unit(req)  # newest last
-            while len(self._last_left) > self.max_sessions:  # bounded: issue 23 item 7
+            while len(self._last_left) > self.max_sessions:  # bounded (docs/policies.md, "Bounded state")
                 self._last_left.pop(next(iter(self._last_left)))
 
     def on_tokens_processed(self, req: Request, prompt_tokens: int, output_tokens: int) -> None:
@@ -261,8 +261,8 @@ class FairPolicy(Policy):
         """Drop up to `n` sessions with nothing waiting and nothing running, least
         recently active first (see "Bounded state"). A session that is some tier's
         clock (it left that tier last) goes last, and takes that clock with it: the
-        cap holds whatever mix of sessions and priorities arrives (issue 23: one
-        session per priority value was kept for ever)."""
+        cap holds whatever mix of sessions and priorities arrives (once, one session
+        per priority value was kept for ever)."""
         busy = {self.unit(r) for r in self._waiting} | set(self._running)
         clocks = set(self._last_left.values())
         idle = sorted((s for s in self.counters if s not in busy),

@@ -185,7 +185,7 @@ class Scheduler:
                         self.policy.pick_next()
                     else:
                         self.policy.pick(req)
-                except Exception as e:  # the policy failed to hand it over (issue 23)
+                except Exception as e:  # the policy failed to hand it over (SPEC H5)
                     failures.note_hook_error(self, "pick", e)
                     if any(r is req for r in self.policy):
                         break  # it keeps its place: next tick tries again; running rows go on

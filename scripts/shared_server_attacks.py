@@ -1,4 +1,4 @@
-"""Issue 23's attacks on a shared server, replayed small and on loopback: one figure each.
+"""The attacks on a shared server (docs/security.md), replayed small and on loopback: one figure each.
 
     python scripts/shared_server_attacks.py [NAME ...]    # all attacks, a JSON line each
 
@@ -32,7 +32,7 @@ from minserve.server.limits import ServerLimits
 
 TENANTS = "api_keys" in inspect.signature(create_app).parameters
 KEYS = {"key-alice": {"tenant": "alice"}, "key-mallory": {"tenant": "mallory"}}
-# after issue 23, what `minserve serve` sets for a shared server (cli.SERVING_DEFAULTS)
+# with the shared-server limits, what `minserve serve` sets for a shared server (cli.SERVING_DEFAULTS)
 SHARED = ({"max_request_kv_share": 0.5, "max_tenant_kv_share": 0.5, "max_rows_per_session": 4}
           if hasattr(EngineConfig, "max_request_kv_share") else {})
 

@@ -1,4 +1,4 @@
-"""The benchmark harness (issue 8): metrics, load generator, targets, report.
+"""The benchmark harness (docs/benchmarks.md): metrics, load generator, targets, report.
 
 Benchmarks measure; these tests check behaviour, never timings: metrics are
 computed right from a hand-made stream, the load generator has the statistics

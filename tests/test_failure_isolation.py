@@ -15,7 +15,7 @@ Which requests a fault may take down:
     decode_step_batched                      the rows of that one batched forward
     remove_row                               the rows in flight (the tick raised outside
                                              any one row: the worker's `recover`)
-    peek_next, pick_next                     nobody: admission waits a tick (issue 23)
+    peek_next, pick_next                     nobody: admission waits a tick (SPEC H5)
     on_request_finished                      nobody: the client still gets its end
 """
 
@@ -124,14 +124,14 @@ def test_a_fault_fails_only_what_it_hit_and_everything_is_given_back(tiny_model,
     assert again.output.finish_reason == "length" and engine.scheduler.is_drained()
 
 
-# ---------------------------------------------------------------- issue 23: 8 rows, any site
+# ---------------------------------------------------------------- SPEC H5: 8 rows, any site
 PLAN8 = [(list(range(3 + 5 * i, 3 + 5 * i + 2 + 3 * i)), 5 + i % 3) for i in range(8)]
 
 
 def arm_layer_fault(engine, method: str, at_call: int = 2) -> dict:
     """A decoder layer raises once, inside the forward that `backend.method` runs on its
     call number `at_call`: after the padded backend widened its mask and layer 0 grew its
-    KV, before layer 1 did (the site that killed the worker in issue 23)."""
+    KV, before layer 1 did (the site that once killed the worker)."""
     backend, layer = engine.scheduler.backend, engine.model.model.layers[1]
     real_method, real_layer = getattr(backend, method), layer.forward
     state = {"calls": 0, "armed": False, "fired": False}
@@ -232,7 +232,7 @@ def test_a_fault_anywhere_in_a_tick_of_8_rows_fails_only_the_rows_it_touched(
 
 
 def test_a_layer_fault_in_the_padded_decode_leaves_the_worker_serving(tiny_model):
-    """Issue 23's reproduction: 8 rows decoding on the padded backend, one layer raises
+    """The worker-killing reproduction (SPEC H5): 8 rows decoding on the padded backend, one layer raises
     once in the decode forward, the worker thread runs it. Before: 1 row got an
     AssertionError, 7 got worker_dead, and every later request 503."""
     engine = make_engine(tiny_model, max_batch_size=8, prefill_chunk_size=8)

@@ -1,4 +1,4 @@
-"""docs/outgrowing.md's vLLM column against a real vLLM's argument parser (issue 24).
+"""docs/outgrowing.md's vLLM column against a real vLLM's argument parser (docs/outgrowing.md).
 
 docs/vllm_flags.txt is what `python -m vllm.entrypoints.openai.api_server --help`
 printed for the vLLM that `make peers-bench` installs (minserve.bench.vllm_flags writes

@@ -1,7 +1,7 @@
-"""A server a class shares (SPEC H5, issue 23, docs/security.md): one test per attack.
+"""A server a class shares (SPEC H5, docs/security.md): one test per attack.
 
 Two tenants, alice and mallory, each with a key; mallory attacks. Each test replays
-one attack from issue 23, small and on loopback, and checks it is refused or
+one attack of docs/security.md's table, small and on loopback, and checks it is refused or
 contained. (A fault in a tick: tests/test_failure_isolation.py; slow bodies and
 connection limits: tests/test_server_hardening.py.)
 """
@@ -76,7 +76,7 @@ def test_another_tenants_prompt_never_hits_the_cache_and_costs_the_same_work(srv
     body = {"prompt": SECRET, "max_tokens": 1}
     assert cached(post(url, "alice", body)) == 0
     before = engine.stats()["prompt_tokens_computed"]
-    assert cached(post(url, "mallory", body)) == 0  # before issue 23: 32
+    assert cached(post(url, "mallory", body)) == 0  # before the tenant salt: 32
     computed = engine.stats()["prompt_tokens_computed"] - before
     assert computed == len(SECRET)  # a cold prefill: no work saved, so no faster TTFT
     assert cached(post(url, "alice", body)) == 32  # within a tenant the cache still works
@@ -124,7 +124,7 @@ def test_a_tenant_cannot_charge_or_read_another_tenants_counter(srv):
     before = counters["alice"]
     for _ in range(3):  # mallory poses as alice's session
         post(url, "mallory", {"prompt": [3, 4, 5], "max_tokens": 4, "user": "alice"})
-    assert counters["alice"] == before  # before issue 23: raised from 5 to 2,242
+    assert counters["alice"] == before  # before sessions lived in their tenant: 5 -> 2,242
     mine = httpx.get(url + "/scheduler/stats", headers={**key("mallory"),
                                                         "X-Session-Id": "alice"}).json()
     own = mine["policy"]["own_session"]
@@ -148,7 +148,7 @@ def test_sessions_and_priorities_stay_under_the_cap():
     engine = Engine(EngineConfig(**{**SMALL, "policy": "fair", "fair_max_sessions": 20}),
                     model=tiny_chat()[0])
     p = engine.scheduler.policy
-    for i in range(200):  # before issue 23: 200 sessions kept, one per priority value
+    for i in range(200):  # before the bound: 200 sessions kept, one per priority value
         engine.submit([1, 2], SamplingParams(max_tokens=1), session_id=f"s{i}", priority=i)
         while engine.scheduler.has_work():
             engine.step()

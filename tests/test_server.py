@@ -1,4 +1,4 @@
-"""The HTTP server (issue 5; SPEC H1–H3, G1, G4–G6), driven over real loopback sockets.
+"""The HTTP server (SPEC H1–H3, G1, G4–G6), driven over real loopback sockets.
 
 Every test starts uvicorn on 127.0.0.1 and a free port, talks to it with the
 official `openai` package or raw httpx, and stops it. The model is a tiny

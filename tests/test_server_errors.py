@@ -1,4 +1,4 @@
-"""Bad input -> 400/404/405 in OpenAI's error shape, never FastAPI's 422 (issue 5, SPEC H1).
+"""Bad input -> 400/404/405 in OpenAI's error shape, never FastAPI's 422 (SPEC H1).
 
 `BAD_INPUTS` is the single source of the bad-input table in docs/http_api.md:
 `test_docs_bad_input_table_is_what_the_server_answers` renders the table from

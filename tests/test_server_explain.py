@@ -1,5 +1,5 @@
 """GET /scheduler/explain/{request_id}: a client names its request (X-Request-Id) and asks
-why it waits; only its own session gets an answer (issue 16)."""
+why it waits; only its own session gets an answer (SPEC G6, H5)."""
 
 from __future__ import annotations
 

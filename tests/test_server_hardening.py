@@ -1,5 +1,5 @@
 """Nobody can break the server for everyone else: each finding of the hostile-client
-review, reproduced against a real server on 127.0.0.1 (issue 14).
+review, reproduced against a real server on 127.0.0.1 (docs/security.md).
 
 Bad single fields (surrogates, seed, stop lists, temperature, unsupported OpenAI
 fields) are rows of the bad-input table in tests/test_server_errors.py; engine
@@ -254,7 +254,7 @@ def test_an_idle_keep_alive_connection_is_closed():
 
 
 def slow_body(url, declared=100_000):
-    """A request whose headers are complete and whose body has only begun (issue 23)."""
+    """A request whose headers are complete and whose body has only begun (docs/security.md)."""
     s = raw_connection(url)
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
               b"\r\nContent-Length: " + str(declared).encode() + b"\r\n\r\n{")
@@ -262,7 +262,7 @@ def slow_body(url, declared=100_000):
 
 
 def test_a_body_trickled_a_byte_at_a_time_gets_408_at_the_total_deadline():
-    """Before issue 23 the deadline was per chunk: a byte every 20 s held a connection
+    """Once, the deadline was per chunk: a byte every 20 s held a connection
     forever. Each byte here comes well inside body_timeout_s; the body as a whole never
     does."""
     limits = ServerLimits(body_timeout_s=1.0)

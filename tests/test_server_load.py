@@ -1,4 +1,4 @@
-"""Overload and hang-ups over real sockets (issue 5; SPEC G1, G4, H3, R2).
+"""Overload and hang-ups over real sockets (SPEC G1, G4, H3, R2).
 
 * Load: 64 concurrent streaming clients send 300 requests at a server whose
   pending queue holds 8. Every request must end one of two honest ways: a 200

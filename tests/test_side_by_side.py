@@ -1,4 +1,4 @@
-"""The side-by-side peers bench (issue 24): its SLO arithmetic, its capacity search, and
+"""The side-by-side peers bench (docs/benchmarks.md, "Side by side"): its SLO arithmetic, its capacity search, and
 one real run of `minserve serve` started as a child process and driven over HTTP.
 
 vLLM and Hugging Face's server are not started here (vLLM needs its own venv and

@@ -48,3 +48,21 @@ def test_docs_spec_points_at_files_and_tests_that_exist():
     for path, name in set(re.findall(r"(tests/[\w/]+\.py)::(\w+)", text)):
         assert re.search(rf"def {name}\b", (ROOT / path).read_text()), \
             f"docs/spec.md cites {path}::{name}, which does not exist"
+
+
+# "issue" and a number (with "issues", "Issue #"): a number in a tracker the clone lacks
+TRACKER = re.compile(r"\bissues?\s*#?\d+", re.IGNORECASE)
+
+
+def test_nothing_cites_the_issue_tracker_only_the_design_and_the_docs():
+    """A reader of a clone has no issue tracker: code, tests and docs cite the design's
+    ids (docs/spec.md) or a docs page, never "issue N"."""
+    files = [ROOT / f for f in TOP_FILES + [".ci/run"] if (ROOT / f).exists()]
+    for d in SOURCES:
+        files += [p for p in sorted((ROOT / d).rglob("*")) if p.is_file()
+                      and p.suffix in SUFFIXES | {".json", ".sh", ".c", ""}
+                      and ".ipynb_checkpoints" not in p.parts and "__pycache__" not in p.parts]
+    assert len(files) > 100, "the scan found too few files"
+    cites = [f"{p.relative_to(ROOT)}: {m.group(0)!r}" for p in files
+             for m in TRACKER.finditer(p.read_text(errors="replace"))]
+    assert not cites, f"cite a SPEC id or a docs page instead: {cites}"

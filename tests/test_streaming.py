@@ -1,4 +1,4 @@
-"""Streaming (issue 2 §8): tokens reach the handle as they are sampled; text never splits a character."""
+"""Streaming: tokens reach the handle as they are sampled; text never splits a character."""
 
 from __future__ import annotations
 

@@ -212,7 +212,7 @@ class PaddedBackend(Backend):
         # All or nothing: the forward widens the mask and, layer by layer, the cache. If it
         # raises half-way (layer 0 grew to L+1 columns, layer 1 did not), put back the mask
         # and every layer's (B, H_kv, L, D) view as they were, so R3 holds again and the
-        # scheduler can remove the failed rows one by one (issue 23: the widened mask made
+        # scheduler can remove the failed rows one by one (SPEC H5: once, the widened mask made
         # `remove_row`'s R3 check fail inside the error path and killed the worker).
         saved = (self.mask, [(layer.keys, layer.values) for layer in self.cache.layers])
         try:

@@ -1,4 +1,4 @@
-"""Serving metrics, from what a client saw (issue 8, part 2).
+"""Serving metrics, from what a client saw (docs/benchmarks.md).
 
 Every target fills one `RequestResult` per request: when it was due, when each
 token (or text chunk) reached the client, when it ended and why. Everything

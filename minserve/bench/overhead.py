@@ -1,4 +1,4 @@
-"""Engine overhead: one decode tick vs a bare batched forward (issue 8, part 5).
+"""Engine overhead: one decode tick vs a bare batched forward (docs/benchmarks.md).
 
 The physical floor for this design on this machine is what the model itself
 costs: one forward pass of B rows, one new token each, over a KV cache of the

@@ -1,5 +1,5 @@
 """The peers: plain Hugging Face serving the same workload, same model, same process
-(issue 8, part 4). Each is what you would write with `transformers` alone.
+(docs/benchmarks.md). Each is what you would write with `transformers` alone.
 
 * `HFStaticTarget` -- static batching with `model.generate`. A batch starts when
   the previous one has finished, taking whatever has arrived by then (up to the

@@ -1,4 +1,4 @@
-"""Two of the lessons' phenomena, measured on minserve and on vLLM over HTTP (issue 24).
+"""Two of the lessons' phenomena, measured on minserve and on vLLM over HTTP (docs/benchmarks.md).
 
 Lesson 03 (prefix caching): the second request that shares a long prefix with the
 first starts sooner, because the prefix's KV is reused, not recomputed.

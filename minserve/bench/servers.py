@@ -1,4 +1,4 @@
-"""OpenAI-compatible servers as child processes, for side-by-side runs (issue 24).
+"""OpenAI-compatible servers as child processes, for side-by-side runs (docs/benchmarks.md, "Side by side").
 
 The peers a user would pick instead of minserve, each started the way its own docs
 say, on the same model folder (the converted embedded SmolLM2, fp32), on loopback:

@@ -1,4 +1,4 @@
-"""minserve beside the servers a user would pick instead, over HTTP (issue 24).
+"""minserve beside the servers a user would pick instead, over HTTP (docs/benchmarks.md, "Side by side").
 
     make peers-bench                                   # sets up vLLM's venv, then this, --write
     python -m minserve.bench.side_by_side --peers minserve,vllm,hf --write

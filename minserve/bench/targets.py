@@ -1,4 +1,4 @@
-"""What a workload is replayed against (issue 8, part 3): minserve in process, or any
+"""What a workload is replayed against (docs/benchmarks.md): minserve in process, or any
 OpenAI-compatible server over streaming HTTP.
 
 Every target has `run(workload, progress=True) -> RunResult`. Both targets here

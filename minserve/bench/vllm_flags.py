@@ -1,4 +1,4 @@
-"""Keep docs/outgrowing.md's vLLM column true to a real vLLM (issue 24, part 5).
+"""Keep docs/outgrowing.md's vLLM column true to a real vLLM (docs/outgrowing.md).
 
 `make peers-bench` installs vLLM's CPU build; this module asks that vLLM's own argument
 parser (`--help`) which flags exist and records them in `docs/vllm_flags.txt`, with the

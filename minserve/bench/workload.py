@@ -1,4 +1,4 @@
-"""The load generator: who sends what, and when (issue 8, part 1).
+"""The load generator: who sends what, and when (docs/benchmarks.md).
 
 A *workload* is a fixed list of requests, each with a session, a prompt (token
 ids), a number of tokens to generate and an arrival time. It is built once from

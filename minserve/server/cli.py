@@ -49,7 +49,7 @@ from .limits import ServerLimits
 # measures the stall both ways (docs/benchmarks.md); `--prefill-chunk-size 0` restores
 # monolithic prefill. The chat demo (app.py) starts from these too.
 #
-# And what a server a class shares needs (issue 23, docs/security.md): no request may
+# And what a server a class shares needs (SPEC H5, docs/security.md): no request may
 # reserve more than half the KV budget, nor one tenant's rows together, so a maximal
 # request never holds everybody out; and one session holds at most half the batch rows.
 SERVING_DEFAULTS: dict[str, Any] = {
@@ -60,7 +60,7 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "backend": "paged", "model_runner": "auto", "decode_attention": "auto",
     "prefill_mode": "mixed_batch",
     "prefill_chunk_size": 256, "max_batch_size": 64, "num_blocks": 2048,
-    # a shared server (issue 23): no request, tenant or session takes the whole batch
+    # a shared server (SPEC H5): no request, tenant or session takes the whole batch
     "max_request_kv_share": 0.5, "max_tenant_kv_share": 0.5, "max_rows_per_session": 4}
 CHOICES = {"policy": POLICIES, "backend": BACKENDS, "dtype": DTYPES, "admission": ADMISSIONS,
            "model_runner": MODEL_RUNNERS, "decode_attention": DECODE_ATTENTIONS,

@@ -133,7 +133,7 @@ class RequestLimits:
 
     async def _read_body(self, receive, limit: int) -> bytes:
         """The whole body (at most `limit` bytes; FastAPI would read it all anyway) within
-        `body_timeout_s` in all: one deadline for the body, not one per chunk (issue 23:
+        `body_timeout_s` in all: one deadline for the body, not one per chunk (once,
         a byte every 20 s kept 511 connections open under a per-chunk 30 s)."""
         timeout, parts, seen = self.limits.body_timeout_s, [], 0
         deadline = asyncio.get_running_loop().time() + timeout
