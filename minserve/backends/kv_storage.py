@@ -101,17 +101,24 @@ class KVBlockStorage:
         return self.bytes_per_token() * self.num_blocks * self.block_size
 
     # --- addressing ----------------------------------------------------------------------
-    def slot_mapping(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
-        """Flat slots of tokens start..end-1 of the row owning `block_table`, (end - start,).
+    def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        """Flat slots of tokens start..end-1 of the row owning `block_table`, as host ints.
 
         slot = block_table[pos // block_size] * block_size + pos % block_size
+
+        Computed on the host: a forward's rows are gathered into ONE tensor sent to the
+        device once (`PagedForward.build_rows`), not one small copy per row (SPEC D5).
         """
         if not 0 <= start <= end <= len(block_table) * self.block_size:
             raise ValueError(f"tokens {start}..{end} do not fit a table of {len(block_table)} "
                              f"blocks x {self.block_size} slots (was append_slots called?)")
-        pos = torch.arange(start, end, device=self.device)  # (T,)
-        table = torch.tensor(block_table, dtype=torch.long, device=self.device)  # (num_table_blocks,)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size  # (T,)
+        S = self.block_size
+        return [block_table[pos // S] * S + pos % S for pos in range(start, end)]
+
+    def slot_mapping(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """`slots` as a (end - start,) tensor on the pool's device."""
+        return torch.tensor(self.slots(block_table, start, end), dtype=torch.long,
+                            device=self.device)
 
     def flat(self, layer: int) -> KV:
         """One layer's pool as it lies in memory, a flat array of slots per KV head:
