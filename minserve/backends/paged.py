@@ -95,6 +95,9 @@ class PagedForward:
     write_slots: torch.Tensor  # (N,) pool slot of each new token, in flat token order
     groups: list[RowGroup]
     kernel: Any = None  # a fast.decode_kernel.DecodeKernel: decode groups attend in C
+    # gather K/V into the storage's reused scratch (eager); False inside a captured CUDA
+    # graph, whose buffers must be its own (fast/cuda_graphs.py)
+    reuse_scratch: bool = True
 
     @classmethod
     def build(cls, storage: KVBlockStorage, block_tables: list[list[int]],
@@ -236,7 +239,7 @@ def _attend(ctx: PagedForward, layer: int, g: RowGroup, query: torch.Tensor, H_k
     #    this temporary only (the pool has no padding). A fused PagedAttention kernel
     #    reads the blocks in place; one gather per layer + one batched attention is
     #    the readable CPU equivalent.
-    k, v = ctx.storage.read_blocks(layer, g.read_blocks, reuse=True)  # (H_kv, B, L_pad, D)
+    k, v = ctx.storage.read_blocks(layer, g.read_blocks, ctx.reuse_scratch)  # (H_kv, B, L_pad, D)
     if T > 1:  # prompt chunks: PyTorch's fused CPU attention, which never materialises
         # the (T, L) scores per head (a 256-token chunk over 6,000 tokens of history is
         # 4.6 M floats per head); it takes the mask and the GQA grouping as they are.
@@ -311,8 +314,11 @@ class PagedBackend(Backend):
 
     `kernel`: None, decode attention in PyTorch (`_attend`), or a
     `fast.decode_kernel.DecodeKernel` that decode steps attend with (`decode_attention`).
-    Both come from the outer layer `minserve/fast/`, handed in by the engine: this file
-    never imports them.
+
+    `graphs`: None, or a `fast.cuda_graphs.DecodeGraphs` that runs a forward of decode
+    rows only (`cuda_graphs`, on a GPU): the compact forward replayed from a CUDA graph.
+    All three come from the outer layer `minserve/fast/`, handed in by the engine: this
+    file never imports them.
     """
 
     name = "paged"
@@ -322,11 +328,12 @@ class PagedBackend(Backend):
 
     def __init__(self, model: torch.nn.Module, block_manager: BlockManager,
                  storage: KVBlockStorage | None = None, max_model_len: int | None = None,
-                 runner: Any = None, kernel: Any = None) -> None:
+                 runner: Any = None, kernel: Any = None, graphs: Any = None) -> None:
         bm = block_manager
         refuse_unsupported(model, "paged", max_model_len)
         self.runner = runner  # None: the HF model's own forward
         self.kernel = kernel  # None: decode attention in PyTorch
+        self.graphs = graphs  # None: decode steps run eagerly
         self.storage = storage or KVBlockStorage.for_model(model, bm.num_blocks, bm.block_size)
         if (self.storage.num_blocks, self.storage.block_size) != (bm.num_blocks, bm.block_size):
             raise ValueError(f"storage is {self.storage.num_blocks} x {self.storage.block_size}, "
@@ -434,6 +441,12 @@ class PagedBackend(Backend):
             last.append(len(ids) - 1)
         if not rows:
             return torch.zeros(0, self.vocab_size), []
+        if not chunks and self.graphs is not None and self.graphs.fits(len(rows)):
+            # decode rows only: the same forward replayed from a CUDA graph (fast/)
+            logits = self.graphs.run(ids, positions, [table for table, _, _ in rows])
+            for r in decode:
+                self.rows[r.request_id] += 1
+            return logits, []
         ctx = PagedForward.build_rows(self.storage, rows, self.kernel)
         ids_t = torch.tensor([ids], device=self.device)  # (1, N)
         pos_t = torch.tensor([positions], device=self.device)  # (1, N)
