@@ -34,6 +34,7 @@ ADMISSIONS = ("reserve", "preempt")
 BACKENDS = ("padded", "paged")
 MODEL_RUNNERS = ("hf", "compact", "auto")
 DECODE_ATTENTIONS = ("torch", "kernel", "auto")
+CUDA_GRAPHS = ("off", "auto")
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -86,6 +87,10 @@ class EngineConfig:
     # readable version), "kernel" (fast/decode_kernel.c, built on first use: reads the
     # blocks in place; CPU, float32) or "auto": the kernel where it runs, else torch.
     decode_attention: str = "torch"
+    # The decode step replayed from CUDA graphs, one per batch-size bucket (fast/cuda_graphs.py,
+    # SPEC D5): "off" (eager, the readable path) or "auto": on when the device is CUDA and
+    # the compact forward runs (model_runner="compact"/"auto" on backend="paged").
+    cuda_graphs: str = "off"
 
     # --- prefill (C) ---------------------------------------------------------------
     prefill_mode: str = ""  # "" -> derived from prefill_chunk_size (C2)
@@ -101,7 +106,8 @@ class EngineConfig:
 
         for name, choices in (("dtype", DTYPES), ("policy", POLICIES), ("admission", ADMISSIONS),
                               ("backend", BACKENDS), ("model_runner", MODEL_RUNNERS),
-                              ("decode_attention", DECODE_ATTENTIONS)):
+                              ("decode_attention", DECODE_ATTENTIONS),
+                              ("cuda_graphs", CUDA_GRAPHS)):
             v = getattr(self, name)
             need(v in choices, f"{name}={v!r}; use one of {choices}")
         need(isinstance(self.device, str) and self.device != "", "device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")

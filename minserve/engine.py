@@ -84,17 +84,23 @@ class Engine:
         refuse_unsupported(model, config.backend, self.max_model_len)  # before any allocation
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         storage = None
+        # a spare block for the padding rows of captured decode steps (fast/cuda_graphs.py)
+        graphs = (config.cuda_graphs != "off" and config.backend == "paged"
+                  and self.device.type == "cuda")
         if config.backend == "paged" or config.enable_prefix_caching:
             from .backends.kv_storage import KVBlockStorage
 
-            storage = KVBlockStorage.for_model(model, num_blocks, bs)
+            storage = KVBlockStorage.for_model(model, num_blocks, bs, spare_blocks=int(graphs))
         if config.backend == "paged":
             from .backends.paged import PagedBackend
-            from .fast import compact, decode_kernel  # the same math, faster on CPU (opt-in)
+            from .fast import compact, cuda_graphs, decode_kernel  # faster, the same math (opt-in)
 
-            backend = PagedBackend(model, self.block_manager, storage, self.max_model_len,
-                                   compact.runner_for(config.model_runner, model, self.max_model_len),
-                                   decode_kernel.kernel_for(config.decode_attention, storage))
+            runner = compact.runner_for(config.model_runner, model, self.max_model_len)
+            backend = PagedBackend(model, self.block_manager, storage, self.max_model_len, runner,
+                                   decode_kernel.kernel_for(config.decode_attention, storage),
+                                   cuda_graphs.graphs_for(config.cuda_graphs, runner, storage,
+                                                          config.max_batch_size,
+                                                          self.max_model_len))
         else:
             from .fast.in_place_cache import InPlaceLayer  # the same floats, no copy per step
 

@@ -8,8 +8,9 @@ prefilling row pushes: `_plan_prefill`, `decode_step`); this module is the other
     T2  run_pieces: prefill_together (one forward)      post_pieces -> piece_done: count it,
         or prefill_chunk (one per piece)                    on the final piece K3, the first
     T4  run_decode: decode_step_batched, or                 token and the promotion (C3)
-        forward_mixed with T2's planned pieces          append_token: sample, stream, stop
-        (mixed_batch, Version B: ONE forward)               (A1); charge the policy (P3)
+        forward_mixed with T2's planned pieces          sample: every row at once, one copy
+        (mixed_batch, Version B: ONE forward)               to the host (D5); post_token: record,
+                                                            stream, stop (A1); charge (P3)
 
 A piece is `(req, start, end)`: the row's `prefill_token_ids[start:end]`, where `start`
 is where its KV ends. A forward that raises fails every row it carried; a row whose
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import time
 from typing import Any
+
+import torch
 
 from . import failures
 from .records import DecodeRecord, PrefillRecord
@@ -70,20 +73,29 @@ def defer_to_decode(s, pieces: list[Piece], rec: PrefillRecord) -> None:
 
 def post_pieces(s, pieces: list[Piece], logits: list, failed: list) -> list[tuple[int, dict]]:
     """`piece_done` for each piece a forward carried (logits: per piece (V,), or None
-    where it was not the prompt's final piece). A piece whose posting raises fails its
-    row alone, noted in `failed`. Returns (index in `pieces`, chunk record) of the rest."""
+    where it was not the prompt's final piece). The final pieces' first tokens are sampled
+    together first (`sample`: one call, one copy to the host). A piece whose posting
+    raises fails its row alone, noted in `failed`. Returns (index in `pieces`, chunk
+    record) of the rest."""
+    finals = [i for i, (req, _, end) in enumerate(pieces) if end == req.prefill_len]
+    try:
+        first = dict(zip(finals, sample(s, [pieces[i][0] for i in finals],
+                                        [logits[i] for i in finals])))
+    except Exception as e:  # the sampling call itself failed: every row it carried
+        first = {i: e for i in finals}
     done = []
-    for i, ((req, start, end), row_logits) in enumerate(zip(pieces, logits)):
+    for i, (req, start, end) in enumerate(pieces):
         try:
-            done.append((i, piece_done(s, req, start, end, row_logits)))
+            done.append((i, piece_done(s, req, start, end, first.get(i))))
         except Exception as e:
             failures.fail_row(s, req, "prefill", e, failed)
     return done
 
 
-def piece_done(s, req: Request, start: int, end: int, logits) -> dict[str, Any]:
+def piece_done(s, req: Request, start: int, end: int, first=None) -> dict[str, Any]:
     """After prompt[start:end] went through the model (its own forward, or the mixed
-    one): count it; on the final piece, the first token and the promotion."""
+    one): count it; on the final piece, the first token (`first`, what `sample` gave this
+    row) and the promotion."""
     req.num_computed_prompt_tokens = end
     req.timing.prefill_chunks += 1
     s.prompt_tokens_computed += end - start
@@ -102,7 +114,7 @@ def piece_done(s, req: Request, start: int, end: int, logits) -> dict[str, Any]:
     if final:
         if s.block_manager is not None:  # K3: its full blocks may be shared from now on
             s.block_manager.mark_computed(req.request_id, req.prefill_token_ids, end)
-        chunk["first_token"] = append_token(s, req, logits)
+        chunk["first_token"] = post_token(s, req, first)
     with s.queue_lock:  # P3: the chunk's new prompt tokens (+ the next output token);
         # recomputation is the scheduler's doing, not the session's: never charged
         s.policy.on_tokens_processed(req, new_prompt, 1 if final else 0)
@@ -141,9 +153,13 @@ def run_decode(s, rows: list[Request], planned: list[tuple[Request, dict]],
         planned[i][1]["first_token"] = done["first_token"]
         if done["final"]:
             s._planned_record.promoted.append(done["request_id"])
-    for req, row_logits in zip(rows, logits):
+    try:
+        tokens = sample(s, rows, logits)
+    except Exception as e:  # the one sampling call failed: every row it carried
+        tokens = [e] * len(rows)
+    for req, tok in zip(rows, tokens):
         try:
-            tok = append_token(s, req, row_logits)
+            post_token(s, req, tok)
             with s.queue_lock:
                 s.policy.on_tokens_processed(req, 0, 1)
         except Exception as e:  # this row's sampling or charge failed: it alone
@@ -157,9 +173,25 @@ def run_decode(s, rows: list[Request], planned: list[tuple[Request, dict]],
             rec.finished[req.request_id] = req.finish_reason.value
 
 
-def append_token(s, req: Request, logits) -> int:
-    """Sample, record, stream. Sets finish_reason when the request is done (A1)."""
-    tok = s.sampler.sample_row(logits, req.sampling, req.generator)
+def sample(s, reqs: list[Request], logits) -> list:
+    """Each row's next token (or why it has none), from logits (B, V) or a list of (V,):
+    ONE batched call to the sampler and one copy to the host for the whole forward
+    (SPEC D5), each row with its own params and generator (`Sampler.sample`)."""
+    if not reqs:
+        return []
+    if isinstance(logits, (list, tuple)):
+        logits = torch.stack(list(logits))  # (B, V)
+    return s.sampler.sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs])
+
+
+def post_token(s, req: Request, tok) -> int:
+    """Record and stream the token `sample` gave the row; a reason instead of a token
+    (NaN logits, ...) or the sampling call's error raises here, failing the row alone.
+    Sets finish_reason when the request is done (A1)."""
+    if isinstance(tok, Exception):
+        raise tok
+    if isinstance(tok, str):
+        raise ValueError(tok)
     req.output_token_ids.append(tok)
     s.tokens_generated += 1
     if req.timing.first_token is None:
@@ -171,3 +203,4 @@ def append_token(s, req: Request, logits) -> int:
     if reason is not None:
         req.finish_reason = reason
     return tok
+

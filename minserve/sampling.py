@@ -1,7 +1,8 @@
 """Sampling: how one row's logits become one token.
 
-`SamplingParams` is what a client asks for; `Sampler` turns one row's logits
-into one token (the scheduler asks it once per row of a forward). Two properties matter for a serving engine:
+`SamplingParams` is what a client asks for; `Sampler` turns each row's logits
+into one token (the scheduler asks it once per forward, for all its rows). Two
+properties matter for a serving engine:
 
 * **Greedy is argmax, nothing else** (temperature 0), so the engine's tokens can
   be compared with Hugging Face `generate(do_sample=False)` exactly (SPEC B2).
@@ -64,18 +65,25 @@ class SamplingParams:
 
 
 class Sampler:
-    """Picks a row's next token from its logits; a row uses its own params and generator."""
+    """Picks each row's next token from its logits; a row uses its own params and generator.
+
+    `sample` is what a tick calls: every row of a forward in ONE batched call and ONE copy
+    to the host (SPEC D5). On a GPU the per-row version costs two or three host
+    synchronisations per row (`.item()`, `bool(...)`); 64 rows, ~200 syncs a tick, each
+    a wait for the whole queue of kernels. `sample_row` is the same choice for one row,
+    written out plainly: the reference the batched one is tested against, token for token.
+    """
 
     @staticmethod
     def sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
         """One row (V,) -> one token id."""
         if bool(torch.isnan(logits).any()):  # argmax would pick some token anyway: refuse
-            raise ValueError("the model produced NaN logits for this row")
+            raise ValueError(NAN_LOGITS)
         if p.greedy:
             return int(torch.argmax(logits).item())
         logits = logits.float()
         if not bool(torch.isfinite(logits).any()):
-            raise ValueError("the model produced no finite logit for this row")
+            raise ValueError(NO_FINITE_LOGIT)
         # Shift so the largest logit is 0 *before* dividing: a tiny temperature (1e-40)
         # then sends the others to -inf (probability 0) instead of inf - inf = NaN.
         logits = (logits - logits.max()) / p.temperature
@@ -95,6 +103,69 @@ class Sampler:
             probs = probs / probs.sum()
         # The generator lives on the CPU, so sample there: same stream on any device.
         return int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
+
+    @staticmethod
+    def sample(logits: torch.Tensor, params: list[SamplingParams],
+               gens: list[torch.Generator | None]) -> list[int | str]:
+        """Every row of `logits` (B, V) at once -> per row its token id, or the reason it
+        cannot be sampled (a string: NaN logits, no finite logit), so that row alone fails.
+
+        The same tokens as `sample_row`, row for row: each step is the per-row one done
+        over the rows together (a row's max, its temperature, its k-th largest logit, its
+        own nucleus), and the draw is the one `torch.multinomial` makes for one sample,
+        written out: argmax(p / q) with q ~ Exp(1) drawn from the row's own generator,
+        V numbers (the exponential race; the Gumbel-max trick with the logs taken away).
+        A row's tokens therefore still depend on nothing but its own generator.
+
+            logits (B, V) --argmax--------------------------------------> greedy rows
+                          --[sampled rows] (S, V): shift, / T, top-k, softmax, top-p
+                            -> p (S, V); q (S, V) from S generators -> argmax(p / q)
+            tokens (B,) + bad-row flags (B,)  --ONE copy to the host--> list
+        """
+        B, V = logits.shape
+        dev = logits.device
+        bad = torch.isnan(logits).any(dim=-1).long()  # (B,) 1: NaN; 2 (below): no finite logit
+        tokens = logits.argmax(dim=-1)  # (B,): the greedy rows' answer
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            idx = torch.tensor(rows, device=dev)  # (S,)
+            x = logits.index_select(0, idx).float()  # (S, V)
+            none_finite = ~torch.isfinite(x).any(dim=-1)  # (S,)
+            bad[idx] = torch.where(bad[idx] == 1, 1, none_finite.long() * 2)
+            temp = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32,
+                                device=dev)  # (S,)
+            x = (x - x.max(dim=-1, keepdim=True).values) / temp[:, None]
+            ks = [params[i].top_k if 0 < params[i].top_k < V else 0 for i in rows]
+            if any(ks):  # the k-th largest logit of each row that keeps k (others: -inf)
+                top = torch.topk(x, max(ks), dim=-1).values  # (S, k_max), descending
+                k = torch.tensor([max(k, 1) - 1 for k in ks], device=dev)  # (S,)
+                kth = top.gather(1, k[:, None])  # (S, 1)
+                kth[torch.tensor(ks, device=dev) == 0] = float("-inf")
+                x = x.masked_fill(x < kth, float("-inf"))
+            probs = torch.softmax(x, dim=-1)  # (S, V)
+            nucleus = [j for j, i in enumerate(rows) if params[i].top_p < 1.0]
+            if nucleus:
+                n = torch.tensor(nucleus, device=dev)
+                top_p = torch.tensor([params[rows[j]].top_p for j in nucleus],
+                                     dtype=torch.float32, device=dev)  # (P,)
+                sorted_p, order = torch.sort(probs[n], dim=-1, descending=True)  # (P, V)
+                drop = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= top_p[:, None]
+                drop[:, 0] = False  # the most likely token always stays (see sample_row)
+                sorted_p = sorted_p.masked_fill(drop, 0.0)
+                kept = torch.zeros_like(sorted_p).scatter_(1, order, sorted_p)
+                probs[n] = kept / kept.sum(dim=-1, keepdim=True)
+            # Exp(1) noise, V numbers per row from the row's own (CPU) generator, as
+            # `torch.multinomial(p, 1, generator=g)` draws it: the same stream on any device
+            q = torch.stack([torch.empty(V, dtype=torch.float32).exponential_(1, generator=gens[i])
+                             for i in rows])  # (S, V), on the CPU
+            tokens[idx] = (probs / q.to(dev)).argmax(dim=-1)
+        out = torch.stack([tokens, bad]).tolist()  # (2, B): the one copy to the host
+        return [t if b == 0 else (NAN_LOGITS if b == 1 else NO_FINITE_LOGIT)
+                for t, b in zip(*out)]
+
+
+NAN_LOGITS = "the model produced NaN logits for this row"
+NO_FINITE_LOGIT = "the model produced no finite logit for this row"
 
 
 def make_generator(seed: int) -> torch.Generator:

@@ -10,9 +10,11 @@ Which requests a fault may take down:
 
     fault in                                 fails
     begin_prefill, prefill_chunk, promote,   the one row it was working on
-    on_tokens_processed, the sampler
+    on_tokens_processed, one row's logits
+    (NaN: that row cannot be sampled)
     on_request_arrived                       the request being submitted (submit raises)
-    decode_step_batched                      the rows of that one batched forward
+    decode_step_batched, the sampler         the rows of that one batched forward, or of
+                                             that one batched sampling call (SPEC D5)
     remove_row                               the rows in flight (the tick raised outside
                                              any one row: the worker's `recover`)
     peek_next, pick_next                     nobody: admission waits a tick (SPEC H5)
@@ -29,13 +31,13 @@ from .conftest import make_engine
 
 PLAN = [([1, 2, 3, 4, 5], 6), ([9, 8, 7], 9), (list(range(20, 45)), 5), ([11, 12], 7),
         (list(range(50, 60)), 4)]
-ONE_ROW = {"begin_prefill", "prefill_chunk", "promote", "on_tokens_processed", "sample_row",
+ONE_ROW = {"begin_prefill", "prefill_chunk", "promote", "on_tokens_processed",
            "on_request_arrived"}
 FAULTS = [("backend", m) for m in ("begin_prefill", "prefill_chunk", "promote",
                                   "decode_step_batched", "remove_row")] + \
          [("policy", m) for m in ("on_request_arrived", "peek_next", "pick_next",
                                   "on_tokens_processed", "on_request_finished")] + \
-         [("sampler", "sample_row")]
+         [("sampler", "sample")]
 
 
 class Injected(RuntimeError):
@@ -157,6 +159,24 @@ def arm_layer_fault(engine, method: str, at_call: int = 2) -> dict:
     return state
 
 
+def arm_nan_row(backend, at_call: int, row: int) -> dict:
+    """On call number `at_call`, the decode forward's logits of row `row` come out NaN:
+    that row cannot be sampled, and the batched sampler must fail it alone."""
+    real, state = backend.decode_step_batched, {"calls": 0, "fired": False}
+
+    def nan_row(reqs, tokens):
+        logits = real(reqs, tokens)
+        state["calls"] += 1
+        if state["calls"] >= at_call and not state["fired"] and len(reqs) > row:
+            state["fired"] = True
+            logits = logits.clone()  # (an inference tensor: written outside its mode)
+            logits[row] = float("nan")
+        return logits
+
+    backend.decode_step_batched = nan_row
+    return state
+
+
 def arm_detokenise_fault(handle, at_call: int = 2) -> dict:
     real, state = handle._on_token, {"calls": 0, "fired": False}
 
@@ -171,8 +191,8 @@ def arm_detokenise_fault(handle, at_call: int = 2) -> dict:
     return state
 
 
-SITES8 = ["decode.before_mask", "decode.layer", "prefill_together.layer", "sample_row",
-          "detokenise", "policy.on_tokens_processed", "policy.peek_next"]
+SITES8 = ["decode.before_mask", "decode.layer", "prefill_together.layer", "sampler.sample",
+          "nan_logits", "detokenise", "policy.on_tokens_processed", "policy.peek_next"]
 
 
 @pytest.fixture(scope="module")
@@ -194,8 +214,10 @@ def test_a_fault_anywhere_in_a_tick_of_8_rows_fails_only_the_rows_it_touched(
         state = arm_layer_fault(engine, "decode_step_batched")
     elif site == "prefill_together.layer":
         state = arm_layer_fault(engine, "prefill_together", 1)
-    elif site == "sample_row":
-        state = inject(s.sampler, "sample_row", 12)
+    elif site == "sampler.sample":
+        state = inject(s.sampler, "sample", 5)
+    elif site == "nan_logits":
+        state = arm_nan_row(s.backend, at_call=3, row=1)
     elif site.startswith("policy."):
         state = inject(s.policy, site.split(".")[1], 2)
     handles = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in PLAN8]
@@ -215,14 +237,18 @@ def test_a_fault_anywhere_in_a_tick_of_8_rows_fails_only_the_rows_it_touched(
     for i, h in enumerate(handles):
         if i not in errored:
             assert h.output.token_ids == reference8[i], (site, i)
-        else:
+        elif site != "nan_logits":
             assert "injected fault" in h.events[-1].error
     if site in ("decode.before_mask", "decode.layer", "prefill_together.layer"):
         rows = [r if hasattr(r, "request_id") else r[0] for r in state["args"][0]]
         touched = {int(r.request_id.split("-")[1]) for r in rows}  # req-N is the N-th submit
         assert len(touched) > 1 and set(errored) == touched, (site, errored, touched)
-    else:  # one row's sampling, text or charge; a peek touches no row
+    elif site == "sampler.sample":  # the rows of that one sampling call
+        assert len(errored) == len(state["args"][1]) >= 1, (site, errored)
+    else:  # one row's logits, text or charge; a peek touches no row
         assert len(errored) == (0 if site == "policy.peek_next" else 1), (site, errored)
+    if site == "nan_logits":
+        assert "NaN" in handles[errored[0]].events[-1].error
     again = engine.submit([3, 1, 4, 1, 5], SamplingParams(max_tokens=4, ignore_eos=True))
     for _ in range(20):
         if again.finished:

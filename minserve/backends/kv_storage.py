@@ -58,17 +58,23 @@ def model_kv_geometry(model: torch.nn.Module) -> tuple[int, int, int]:
 
 
 class KVBlockStorage:
-    """Preallocated per-layer K and V pools of `num_blocks` blocks x `block_size` slots."""
+    """Preallocated per-layer K and V pools of `num_blocks` blocks x `block_size` slots.
+
+    `spare_blocks`: blocks past `num_blocks` that no block table names (the block manager
+    hands out 0..num_blocks-1): where the padding rows of a captured decode step write
+    their K/V (fast/cuda_graphs.py). 0 unless asked for."""
 
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
-        if min(num_blocks, block_size, num_layers, num_kv_heads, head_dim) < 1:
-            raise ValueError("KVBlockStorage: every size must be >= 1")
+                 device: torch.device | str = "cpu", spare_blocks: int = 0) -> None:
+        if min(num_blocks, block_size, num_layers, num_kv_heads, head_dim) < 1 or spare_blocks < 0:
+            raise ValueError("KVBlockStorage: every size must be >= 1 (spare_blocks >= 0)")
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.spare_blocks = spare_blocks
+        self._blocks = num_blocks + spare_blocks  # in memory
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
-        shape = (num_kv_heads, num_blocks * block_size, head_dim)  # (H_kv, N*S, D) in memory
+        shape = (num_kv_heads, self._blocks * block_size, head_dim)  # (H_kv, N*S, D) in memory
         # Zeros, not empty: a slot nobody wrote is never read, but if a bug ever reads one
         # it shows up as a wrong number in a parity test, not as NaN garbage.
         self._k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
@@ -80,15 +86,17 @@ class KVBlockStorage:
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # read_blocks(reuse=True)
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int) -> KVBlockStorage:
+    def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int,
+                  spare_blocks: int = 0) -> KVBlockStorage:
         """A pool shaped for `model`: its layer count, KV heads, head dim, dtype and device."""
         num_layers, num_kv_heads, head_dim = model_kv_geometry(model)
         p = next(model.parameters())
-        return cls(num_blocks, block_size, num_layers, num_kv_heads, head_dim, p.dtype, p.device)
+        return cls(num_blocks, block_size, num_layers, num_kv_heads, head_dim, p.dtype, p.device,
+                   spare_blocks)
 
     def _token_major(self, t: torch.Tensor) -> torch.Tensor:
         """(H_kv, N*S, D) -> a (N, S, H_kv, D) view of the same memory."""
-        return t.view(self.num_kv_heads, self.num_blocks, self.block_size,
+        return t.view(self.num_kv_heads, self._blocks, self.block_size,
                       self.head_dim).permute(1, 2, 0, 3)
 
     # --- sizes ---------------------------------------------------------------------------
@@ -101,17 +109,24 @@ class KVBlockStorage:
         return self.bytes_per_token() * self.num_blocks * self.block_size
 
     # --- addressing ----------------------------------------------------------------------
-    def slot_mapping(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
-        """Flat slots of tokens start..end-1 of the row owning `block_table`, (end - start,).
+    def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        """Flat slots of tokens start..end-1 of the row owning `block_table`, as host ints.
 
         slot = block_table[pos // block_size] * block_size + pos % block_size
+
+        Computed on the host: a forward's rows are gathered into ONE tensor sent to the
+        device once (`PagedForward.build_rows`), not one small copy per row (SPEC D5).
         """
         if not 0 <= start <= end <= len(block_table) * self.block_size:
             raise ValueError(f"tokens {start}..{end} do not fit a table of {len(block_table)} "
                              f"blocks x {self.block_size} slots (was append_slots called?)")
-        pos = torch.arange(start, end, device=self.device)  # (T,)
-        table = torch.tensor(block_table, dtype=torch.long, device=self.device)  # (num_table_blocks,)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size  # (T,)
+        S = self.block_size
+        return [block_table[pos // S] * S + pos % S for pos in range(start, end)]
+
+    def slot_mapping(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """`slots` as a (end - start,) tensor on the pool's device."""
+        return torch.tensor(self.slots(block_table, start, end), dtype=torch.long,
+                            device=self.device)
 
     def flat(self, layer: int) -> KV:
         """One layer's pool as it lies in memory, a flat array of slots per KV head:
@@ -170,8 +185,8 @@ class KVBlockStorage:
         else:
             k_out, v_out = (k_flat.new_empty(H, B * M, S * D) for _ in range(2))
         # (H, N*S, D) viewed as (H, N, S*D): a block is one row; select B*M rows per head
-        torch.index_select(k_flat.view(H, self.num_blocks, S * D), 1, idx, out=k_out)
-        torch.index_select(v_flat.view(H, self.num_blocks, S * D), 1, idx, out=v_out)
+        torch.index_select(k_flat.view(H, self._blocks, S * D), 1, idx, out=k_out)
+        torch.index_select(v_flat.view(H, self._blocks, S * D), 1, idx, out=v_out)
         return k_out.view(H, B, M * S, D), v_out.view(H, B, M * S, D)  # (H_kv, B, M*S, D)
 
     def read_shared(self, layer: int, blocks: torch.Tensor) -> KV:
@@ -179,7 +194,7 @@ class KVBlockStorage:
         A prefix that many rows share, read once for all of them."""
         k_flat, v_flat = self.flat(layer)
         H, S, D = self.num_kv_heads, self.block_size, self.head_dim
-        return tuple(f.view(H, self.num_blocks, S * D).index_select(1, blocks).view(H, -1, D)
+        return tuple(f.view(H, self._blocks, S * D).index_select(1, blocks).view(H, -1, D)
                      for f in (k_flat, v_flat))
 
     # --- all layers at once (what the padded backend uses for prefix caching) ---------------

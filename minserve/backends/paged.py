@@ -95,6 +95,9 @@ class PagedForward:
     write_slots: torch.Tensor  # (N,) pool slot of each new token, in flat token order
     groups: list[RowGroup]
     kernel: Any = None  # a fast.decode_kernel.DecodeKernel: decode groups attend in C
+    # gather K/V into the storage's reused scratch (eager); False inside a captured CUDA
+    # graph, whose buffers must be its own (fast/cuda_graphs.py)
+    reuse_scratch: bool = True
 
     @classmethod
     def build(cls, storage: KVBlockStorage, block_tables: list[list[int]],
@@ -111,7 +114,9 @@ class PagedForward:
         """`rows`: (block table, first new position, T new tokens) per row, in flat token
         order; rows with the same T must be consecutive (they form one group). `kernel`:
         decode groups attend with it (fast/decode_kernel.py) instead of `_attend`'s PyTorch."""
-        write = [storage.slot_mapping(table, s, s + T) for table, s, T in rows]
+        write: list[int] = []  # every new token's slot, on the host: one copy to the device
+        for table, s, T in rows:
+            write += storage.slots(table, s, s + T)
         groups, offset, i = [], 0, 0
         while i < len(rows):
             j = i
@@ -120,7 +125,8 @@ class PagedForward:
             groups.append(cls._group(storage, rows[i:j], offset, kernel is not None))
             offset += (j - i) * rows[i][2]
             i = j
-        return cls(storage, torch.cat(write), groups, kernel)
+        return cls(storage, torch.tensor(write, dtype=torch.long, device=storage.device),
+                   groups, kernel)
 
     @staticmethod
     def _group(storage: KVBlockStorage, rows: list[tuple[list[int], int, int]],
@@ -134,33 +140,33 @@ class PagedForward:
         in_c = kernel and T == 1  # decode_kernel.c attends: it reads whole tables in place
         P = _shared_prefix_blocks(rows, S) if B > 1 and T == 1 and not in_c else 0
         # Every row's block table past the shared prefix in one padded tensor (B, need);
-        # past a row's last block, block 0: real memory, masked below.
+        # past a row's last block, block 0: real memory, masked below. Built on the host
+        # and sent once, as the positions are (no per-row copy to the device, SPEC D5).
         need = -(-max(ends) // S) - P  # blocks covering the longest row, after the prefix
-        tables = torch.zeros(B, need, dtype=torch.long)  # (B, need)
-        for b, (table, _, _) in enumerate(rows):
-            k = min(len(table), P + need) - P
-            tables[b, :k] = torch.tensor(table[P:P + k], dtype=torch.long)
-        # Keys are read a whole block at a time (`read_blocks`): L_pad = need * S columns,
-        # row b's tokens in its own blocks, then whatever sits in the rest of its last
-        # block and in the padding blocks (block 0). All masked below.
-        key_pos = torch.arange(P * S, (P + need) * S)  # (L_pad,) the keys' token positions
-        # One comparison does both jobs: key l is visible to a query at position p iff
-        # l <= p. That is causality inside a prefill chunk AND it hides the padding of
-        # shorter rows in the gathered (B, L_pad) batch (l >= n > p for every query of b).
+        tables = torch.tensor([table[P:P + need] + [0] * (need - len(table[P:P + need]))
+                               for table, _, _ in rows], dtype=torch.long)  # (B, need)
         positions = torch.tensor([[s + t for t in range(T)] for _, s, _ in rows])  # (B, T)
-        mask = key_pos[None, None, :] <= positions[:, :, None]  # (B, T, L_pad)
-        shared = torch.tensor(rows[0][0][:P], dtype=torch.long, device=storage.device) if P else None
         bias = lengths = None
         if in_c:  # the kernel reads raw pool addresses: no id may point outside the pool
             if not 0 <= int(tables.min()) <= int(tables.max()) < storage.num_blocks:
                 raise ValueError(f"a block table names a block outside 0..{storage.num_blocks - 1}")
             lengths = torch.tensor(ends, dtype=torch.long)
-        elif T == 1:  # (B, 1, L_pad) -> (H_kv, B, 1, L_pad) -> (H_kv * B, 1, L_pad), head-major
-            bias = torch.zeros(mask.shape, dtype=storage.dtype).masked_fill_(~mask, float("-inf"))
+        dev = storage.device
+        tables, positions = tables.to(dev), positions.to(dev)
+        # Keys are read a whole block at a time (`read_blocks`): L_pad = need * S columns,
+        # row b's tokens in its own blocks, then whatever sits in the rest of its last
+        # block and in the padding blocks (block 0). All masked below.
+        key_pos = torch.arange(P * S, (P + need) * S, device=dev)  # (L_pad,) the keys' positions
+        # One comparison does both jobs: key l is visible to a query at position p iff
+        # l <= p. That is causality inside a prefill chunk AND it hides the padding of
+        # shorter rows in the gathered (B, L_pad) batch (l >= n > p for every query of b).
+        mask = key_pos[None, None, :] <= positions[:, :, None]  # (B, T, L_pad)
+        shared = torch.tensor(rows[0][0][:P], dtype=torch.long, device=dev) if P else None
+        if T == 1 and not in_c:  # (B, 1, L_pad) -> (H_kv, B, 1, L_pad) -> (H_kv * B, 1, L_pad)
+            bias = torch.zeros(mask.shape, dtype=storage.dtype, device=dev).masked_fill_(
+                ~mask, float("-inf"))  # head-major, as `_attend` stacks the (KV head, row) pairs
             bias = bias.expand(storage.num_kv_heads, *bias.shape).reshape(-1, 1, bias.shape[-1])
-            bias = bias.to(storage.device)
-        return RowGroup(offset, B, T, tables.to(storage.device),
-                        mask.unsqueeze(1).to(storage.device), shared, bias, lengths)
+        return RowGroup(offset, B, T, tables, mask.unsqueeze(1), shared, bias, lengths)
 
 
 def _shared_prefix_blocks(rows: list[tuple[list[int], int, int]], block_size: int) -> int:
@@ -233,7 +239,7 @@ def _attend(ctx: PagedForward, layer: int, g: RowGroup, query: torch.Tensor, H_k
     #    this temporary only (the pool has no padding). A fused PagedAttention kernel
     #    reads the blocks in place; one gather per layer + one batched attention is
     #    the readable CPU equivalent.
-    k, v = ctx.storage.read_blocks(layer, g.read_blocks, reuse=True)  # (H_kv, B, L_pad, D)
+    k, v = ctx.storage.read_blocks(layer, g.read_blocks, ctx.reuse_scratch)  # (H_kv, B, L_pad, D)
     if T > 1:  # prompt chunks: PyTorch's fused CPU attention, which never materialises
         # the (T, L) scores per head (a 256-token chunk over 6,000 tokens of history is
         # 4.6 M floats per head); it takes the mask and the GQA grouping as they are.
@@ -308,8 +314,11 @@ class PagedBackend(Backend):
 
     `kernel`: None, decode attention in PyTorch (`_attend`), or a
     `fast.decode_kernel.DecodeKernel` that decode steps attend with (`decode_attention`).
-    Both come from the outer layer `minserve/fast/`, handed in by the engine: this file
-    never imports them.
+
+    `graphs`: None, or a `fast.cuda_graphs.DecodeGraphs` that runs a forward of decode
+    rows only (`cuda_graphs`, on a GPU): the compact forward replayed from a CUDA graph.
+    All three come from the outer layer `minserve/fast/`, handed in by the engine: this
+    file never imports them.
     """
 
     name = "paged"
@@ -319,11 +328,12 @@ class PagedBackend(Backend):
 
     def __init__(self, model: torch.nn.Module, block_manager: BlockManager,
                  storage: KVBlockStorage | None = None, max_model_len: int | None = None,
-                 runner: Any = None, kernel: Any = None) -> None:
+                 runner: Any = None, kernel: Any = None, graphs: Any = None) -> None:
         bm = block_manager
         refuse_unsupported(model, "paged", max_model_len)
         self.runner = runner  # None: the HF model's own forward
         self.kernel = kernel  # None: decode attention in PyTorch
+        self.graphs = graphs  # None: decode steps run eagerly
         self.storage = storage or KVBlockStorage.for_model(model, bm.num_blocks, bm.block_size)
         if (self.storage.num_blocks, self.storage.block_size) != (bm.num_blocks, bm.block_size):
             raise ValueError(f"storage is {self.storage.num_blocks} x {self.storage.block_size}, "
@@ -431,6 +441,12 @@ class PagedBackend(Backend):
             last.append(len(ids) - 1)
         if not rows:
             return torch.zeros(0, self.vocab_size), []
+        if not chunks and self.graphs is not None and self.graphs.fits(len(rows)):
+            # decode rows only: the same forward replayed from a CUDA graph (fast/)
+            logits = self.graphs.run(ids, positions, [table for table, _, _ in rows])
+            for r in decode:
+                self.rows[r.request_id] += 1
+            return logits, []
         ctx = PagedForward.build_rows(self.storage, rows, self.kernel)
         ids_t = torch.tensor([ids], device=self.device)  # (1, N)
         pos_t = torch.tensor([positions], device=self.device)  # (1, N)
@@ -439,7 +455,7 @@ class PagedBackend(Backend):
             logits = self._run(ids_t.view(g.B, g.T), pos_t.view(g.B, g.T), ctx, 1)[:, -1]  # (B, V)
             at = {j: j for j in wanted}  # row j's logits: every row's last token came out
         else:  # flat (1, N): only the wanted rows' last tokens go through the output head
-            keep = torch.tensor([last[j] for j in wanted] or [len(ids) - 1])
+            keep = torch.tensor([last[j] for j in wanted] or [len(ids) - 1], device=self.device)
             logits = self._run(ids_t, pos_t, ctx, keep)[0]  # (len(wanted), V)
             at = {j: k for k, j in enumerate(wanted)}
         for r in decode:

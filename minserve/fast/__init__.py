@@ -1,4 +1,4 @@
-"""The same math, faster on a CPU: the parts `minserve serve` runs by default. An outer layer.
+"""The same math, faster: the parts `minserve serve` runs by default. An outer layer.
 
 Nothing here is needed to read or run the engine. The paged backend computes a
 forward with Hugging Face's own model and attends in plain PyTorch, the padded one
@@ -13,10 +13,14 @@ core never imports them:
     decode_kernel.c   (each row's blocks read in place), built on first use
     in_place_cache.py the padded backend's decode batch grown in place, not copied
                       every step (`PaddedBackend(decode_layer=...)`)
+    cuda_graphs.py    `cuda_graphs="auto"`: on a GPU, the compact forward's decode step
+                      replayed from CUDA graphs, one per batch-size bucket
+                      (`PagedBackend(graphs=...)`; docs/gpu.md)
 
 `"auto"` takes each where it can run and the readable version elsewhere. `Engine`
-picks the first two from its config (`compact.runner_for`, `decode_kernel.kernel_for`)
-and always gives the padded backend the third. HF `generate` stays the oracle:
+picks the first two and the fourth from its config (`compact.runner_for`,
+`decode_kernel.kernel_for`, `cuda_graphs.graphs_for`) and always gives the padded
+backend the third. HF `generate` stays the oracle:
 tests/test_compact.py and tests/test_decode_kernel.py check the first two token-exact
 against it, tests/test_padded_backend.py the third against HF's own cache layer;
 docs/benchmarks.md measures what the first two save.

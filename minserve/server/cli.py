@@ -34,6 +34,7 @@ from typing import Any
 from ..config import (
     ADMISSIONS,
     BACKENDS,
+    CUDA_GRAPHS,
     DECODE_ATTENTIONS,
     DTYPES,
     MODEL_RUNNERS,
@@ -58,12 +59,14 @@ SERVING_DEFAULTS: dict[str, Any] = {
     # built (fast/decode_kernel.c), prompt chunks inside the decode forward
     # and room for 64 rows in 2,048 blocks of 16 tokens (1.5 GB of KV for SmolLM2-135M)
     "backend": "paged", "model_runner": "auto", "decode_attention": "auto",
+    "cuda_graphs": "auto",  # on a GPU: the decode step replayed (fast/cuda_graphs.py)
     "prefill_mode": "mixed_batch",
     "prefill_chunk_size": 256, "max_batch_size": 64, "num_blocks": 2048,
     # a shared server (SPEC H5): no request, tenant or session takes the whole batch
     "max_request_kv_share": 0.5, "max_tenant_kv_share": 0.5, "max_rows_per_session": 4}
 CHOICES = {"policy": POLICIES, "backend": BACKENDS, "dtype": DTYPES, "admission": ADMISSIONS,
            "model_runner": MODEL_RUNNERS, "decode_attention": DECODE_ATTENTIONS,
+           "cuda_graphs": CUDA_GRAPHS,
            "prefill_mode": tuple(m.value for m in PrefillMode)}
 SERVER_ENV = {"host": "MINSERVE_HOST", "port": "MINSERVE_PORT", "api_key": "MINSERVE_API_KEY",
               "api_keys_file": "MINSERVE_API_KEYS_FILE"}

@@ -1,0 +1,260 @@
+"""On a GPU: output tokens per second of HF's two ways and minserve's paths, and how busy
+the GPU is during one decode tick (SPEC D5; docs/benchmarks.md, "On a GPU").
+
+    python -m minserve.bench.gpu --device cuda              # both shapes, ~10 min on an H200
+    python -m minserve.bench.gpu --device cpu --quick       # a smoke run of this file, any machine
+
+Random weights of named shapes (the embedded model's GGUF need not travel to the GPU
+machine): SmolLM2-135M's and Llama-3.2-1B's, the output head scaled as `models.tiny_llama`
+does so greedy choices have clear margins. One workload: `--requests` prompts of 64-512
+random tokens, 64-256 output tokens each (EOS ignored), at most `--batch` rows, bfloat16.
+
+    HF static generate        batches of `--batch` in arrival order, left-padded; each
+                              batch runs to its longest request (only asked tokens count)
+    HF continuous batching    `init_continuous_batching`, what `generate_batch` wraps
+    minserve padded           backend="padded", chunks of 512
+    minserve paged            backend="paged", mixed_batch
+    minserve compact          + model_runner="compact"
+    minserve compact+graphs   + cuda_graphs="auto": the decode step replayed per bucket
+
+Then the GPU-busy share of a decode tick at `--batch` rows (`torch.profiler`: device time
+over wall time, 20 ticks), for the compact path with graphs and without, and the padded
+path: how much of each tick the GPU works, and how many kernel launches and host
+synchronisations a tick makes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048),
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         max_position_embeddings=8192, rope_theta=100000.0),
+    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                         max_position_embeddings=8192, rope_theta=500000.0),
+}
+PATHS = {
+    "minserve padded": dict(backend="padded", prefill_chunk_size=512),
+    "minserve paged": dict(backend="paged", prefill_mode="mixed_batch", prefill_chunk_size=512),
+    "minserve compact": dict(backend="paged", prefill_mode="mixed_batch", prefill_chunk_size=512,
+                             model_runner="compact"),
+    "minserve compact+graphs": dict(backend="paged", prefill_mode="mixed_batch",
+                                    prefill_chunk_size=512, model_runner="compact",
+                                    cuda_graphs="auto"),
+}
+PROFILED = ("minserve compact+graphs", "minserve compact", "minserve padded")
+
+
+def model_of(shape: str, dtype: str, device: str, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**SHAPES[shape], tie_word_embeddings=False, bos_token_id=None,
+                      pad_token_id=None, eos_token_id=None, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(getattr(torch, dtype)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50.0)  # clear margins, as models.tiny_llama
+    return model
+
+
+def workload(vocab: int, n: int, quick: bool, seed: int = 11):
+    rng = random.Random(seed)
+    lo, hi, outs = (8, 40, (4, 8, 12)) if quick else (64, 512, (64, 96, 128, 192, 256))
+    prompts = [[rng.randrange(1, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    return prompts, [rng.choice(outs) for _ in range(n)]
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def hf_static(model, prompts, maxt, batch: int, device: str) -> float:
+    """Tokens per second of `generate` over batches in arrival order (only asked tokens)."""
+    with torch.no_grad():
+        model.generate(torch.tensor([prompts[0]], device=device), max_new_tokens=2,
+                       do_sample=False, pad_token_id=0)  # warm-up
+    _sync(device)
+    t, n = time.perf_counter(), 0
+    for s in range(0, len(prompts), batch):
+        ps, ms = prompts[s:s + batch], maxt[s:s + batch]
+        L = max(map(len, ps))
+        ids = torch.tensor([[0] * (L - len(p)) + p for p in ps], device=device)
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in ps], device=device)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=max(ms),
+                           min_new_tokens=max(ms), do_sample=False, pad_token_id=0)
+        n += sum(ms)
+    _sync(device)
+    return n / (time.perf_counter() - t)
+
+
+def hf_continuous(model, prompts, maxt, batch: int, device: str) -> float:
+    from transformers import GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+
+    longest = max(len(p) + m for p, m in zip(prompts, maxt))
+    cb = ContinuousBatchingConfig(page_size=32, num_blocks=len(prompts) * math.ceil(longest / 32) + 8,
+                                  max_batch_tokens=2048, max_requests_per_batch=batch, seed=0)
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(maxt), eos_token_id=None,
+                           pad_token_id=0)
+    mgr = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    mgr.warmup()
+    mgr.start()
+    _sync(device)
+    t = time.perf_counter()
+    for j, (p, m) in enumerate(zip(prompts, maxt)):
+        mgr.add_request(list(p), request_id=f"r{j}", max_new_tokens=m)
+    got = n = 0
+    while got < len(prompts):
+        r = mgr.get_result(timeout=600)
+        if r is None:
+            raise RuntimeError("HF continuous batching returned nothing for 600 s")
+        if r.is_finished():
+            got, n = got + 1, n + len(r.generated_tokens)
+    _sync(device)
+    dt = time.perf_counter() - t
+    mgr.stop(block=True, timeout=30)
+    return n / dt
+
+
+def minserve_path(model, prompts, maxt, batch: int, device: str, dtype: str, cfg: dict) -> float:
+    from .. import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(device=device, dtype=dtype, max_batch_size=batch, **cfg),
+                    model=model)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in maxt]
+    engine.generate(prompts[:batch], params[:batch])  # warm-up: captures the graphs it meets
+    _sync(device)
+    t = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    _sync(device)
+    dt = time.perf_counter() - t
+    n = sum(len(o.token_ids) for o in outs)
+    assert n == sum(maxt), (n, sum(maxt))
+    return n / dt
+
+
+def profile_tick(model, batch: int, device: str, dtype: str, cfg: dict, vocab: int,
+                 ticks: int = 20) -> dict:
+    """One decode tick at `batch` rows under torch.profiler: wall vs device-busy time, kernel
+    launches and host synchronisations per tick."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .. import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(device=device, dtype=dtype, max_batch_size=batch, **cfg),
+                    model=model)
+    rng = random.Random(1)
+    for _ in range(batch):
+        engine.submit([rng.randrange(1, vocab) for _ in range(128)],
+                      SamplingParams(max_tokens=ticks + 40, ignore_eos=True))
+    for _ in range(12):  # prefill done, decode steady (and its graphs captured)
+        engine.step()
+    assert len(engine.scheduler.active) == batch, "not every row decodes yet"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    _sync(device)
+    with profile(activities=acts) as prof:
+        t = time.perf_counter()
+        for _ in range(ticks):
+            engine.step()
+        _sync(device)
+        wall = (time.perf_counter() - t) / ticks
+    ev = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in ev) / 1e6 / ticks if len(acts) > 1 else None
+    count = {e.key: e.count for e in ev}
+    return {"wall_ms": round(wall * 1e3, 2),
+            "gpu_busy_ms": None if busy is None else round(busy * 1e3, 2),
+            "gpu_busy_share": None if busy is None else round(busy / wall, 3),
+            "launches_per_tick": round(sum(count.get(k, 0) for k in (
+                "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
+                "cudaGraphLaunch")) / ticks, 1),
+            "syncs_per_tick": round(sum(count.get(k, 0) for k in (
+                "cudaStreamSynchronize", "cudaDeviceSynchronize")) / ticks, 1),
+            "tok_per_s_at_batch": round(batch / wall, 1)}
+
+
+def run(shapes, device: str, dtype: str, requests: int, batch: int, quick: bool) -> dict:
+    out = {"device": device, "dtype": dtype, "torch": torch.__version__, "requests": requests,
+           "batch": batch, "shapes": {}}
+    if device.startswith("cuda"):
+        out["gpu"] = torch.cuda.get_device_name(0)
+    for shape in shapes:
+        model = model_of(shape, dtype, device)
+        vocab = model.config.vocab_size
+        prompts, maxt = workload(vocab, requests, quick)
+        row = out["shapes"][shape] = {}
+        for name, fn in (("HF static generate", hf_static), ("HF continuous batching", hf_continuous)):
+            try:
+                row[name] = round(fn(model, prompts, maxt, batch, device), 1)
+            except Exception as e:  # report what failed; the other figures still stand
+                row[name] = f"error: {type(e).__name__}: {e}"[:200]
+            print(f"[{shape}] {name}: {row[name]}", flush=True)
+        for name, cfg in PATHS.items():
+            row[name] = round(minserve_path(model, prompts, maxt, batch, device, dtype, cfg), 1)
+            print(f"[{shape}] {name}: {row[name]} tok/s", flush=True)
+        row["profile"] = {name: profile_tick(model, batch, device, dtype, PATHS[name], vocab,
+                                             ticks=4 if quick else 20)
+                          for name in PROFILED}
+        print(f"[{shape}] profile: {json.dumps(row['profile'])}", flush=True)
+        del model
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return out
+
+
+def markdown(res: dict) -> str:
+    names = ["HF static generate", "HF continuous batching", *PATHS]
+    shapes = list(res["shapes"])
+    lines = [f"{res.get('gpu', res['device'])}, torch {res['torch']}, {res['dtype']}, "
+             f"{res['requests']} requests, at most {res['batch']} rows. Output tokens/s:", "",
+             "| | " + " | ".join(shapes) + " |", "|---|" + "---|" * len(shapes)]
+    for n in names:
+        lines.append(f"| {n} | " + " | ".join(str(res["shapes"][s].get(n)) for s in shapes) + " |")
+    lines += ["", f"One decode tick at {res['batch']} rows (torch.profiler, 20 ticks):", "",
+              "| shape | path | wall ms | GPU busy ms | busy share | launches | host syncs |",
+              "|---|---|---|---|---|---|---|"]
+    for s in shapes:
+        for n, p in res["shapes"][s]["profile"].items():
+            lines.append(f"| {s} | {n} | {p['wall_ms']} | {p['gpu_busy_ms']} | "
+                         f"{p['gpu_busy_share']} | {p['launches_per_tick']} | {p['syncs_per_tick']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 elsewhere")
+    ap.add_argument("--shapes", nargs="+", default=None, choices=list(SHAPES))
+    ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--quick", action="store_true", help="a smoke run: tiny shape, few tokens")
+    ap.add_argument("--out", default=None, help="write gpu.json and gpu.md into this folder")
+    a = ap.parse_args(argv)
+    dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
+    shapes = a.shapes or (["tiny"] if a.quick else ["smollm2-135m", "llama-3.2-1b"])
+    res = run(shapes, a.device, dtype, a.requests or (8 if a.quick else 128),
+              a.batch or (4 if a.quick else 64), a.quick)
+    md = markdown(res)
+    print(md)
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "gpu.json").write_text(json.dumps(res, indent=1))
+        (Path(a.out) / "gpu.md").write_text(md + "\n")
+
+
+if __name__ == "__main__":
+    main()

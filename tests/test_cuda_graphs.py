@@ -1,0 +1,103 @@
+"""The decode step over static buffers, per batch-size bucket (fast/cuda_graphs.py, SPEC D5).
+
+What runs on a CPU: the buckets, and the static step itself (`DecodeGraphs(capture=False)`
+runs over the very buffers a graph records, eagerly): rows joining and leaving, padding
+rows that write only the spare block, token-exact against HF `generate`. The capture and
+replay need a GPU: tests/test_cuda.py (marked `cuda`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minserve import EngineConfig, SamplingParams
+from minserve.backends.kv_storage import KVBlockStorage
+from minserve.backends.paged import PagedBackend
+from minserve.fast.compact import CompactLlama
+from minserve.fast.cuda_graphs import DecodeGraphs, batch_buckets, block_bucket, bucket_for
+
+from .conftest import hf_greedy, make_engine, run_checked
+
+# rows of different lengths, joining and leaving: a short prompt, long ones that cross
+# block buckets (block_size 4: 1, 2, 4, 8, 16 blocks) while they decode
+PLAN = [([5, 6, 7], 9), (list(range(10, 31)), 14), ([40, 41], 3), (list(range(50, 62)), 11),
+        ([70, 71, 72, 73, 74], 6), (list(range(80, 86)), 12), ([90], 5)]
+
+
+def test_batch_buckets_are_powers_of_two_then_the_largest_batch():
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert batch_buckets(6) == [1, 2, 4, 6]
+    assert batch_buckets(1) == [1]
+    assert [bucket_for(n, batch_buckets(6)) for n in range(1, 7)] == [1, 2, 4, 4, 6, 6]
+    with pytest.raises(ValueError):
+        bucket_for(7, batch_buckets(6))
+    assert [block_bucket(n, 12) for n in (1, 2, 3, 5, 9, 12)] == [1, 2, 4, 8, 12, 12]
+
+
+def static_engine(model, max_batch_size: int = 6):
+    """A paged engine whose decode steps run through `DecodeGraphs`' static step (eagerly:
+    no CUDA here), over a pool with the spare block the padding rows write into."""
+    engine = make_engine(model, backend="paged", model_runner="compact", block_size=4,
+                         max_batch_size=max_batch_size, prefill_chunk_size=8)
+    s, old = engine.scheduler, engine.scheduler.backend
+    storage = KVBlockStorage.for_model(model, engine.num_blocks, 4, spare_blocks=1)
+    runner = CompactLlama(model, engine.max_model_len)
+    graphs = DecodeGraphs(runner, storage, max_batch_size, engine.max_model_len, capture=False)
+    s.backend = PagedBackend(model, engine.block_manager, storage, engine.max_model_len,
+                             runner, graphs=graphs)
+    old.close()
+    return engine, graphs, storage
+
+
+def test_the_static_decode_step_gives_hf_tokens_as_rows_join_and_leave(tiny_model):
+    engine, graphs, storage = static_engine(tiny_model)
+    handles = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in PLAN]
+    run_checked(engine)  # R1 and the queues after every phase
+    for (p, n), h in zip(PLAN, handles):
+        assert h.output.token_ids == hf_greedy(tiny_model, p, n), p[:3]
+    sizes = {B for B, _ in graphs.graphs}
+    assert len(sizes) >= 3 and len({M for _, M in graphs.graphs}) >= 3, graphs.graphs.keys()
+    assert graphs.replays > 10
+    # the padding rows wrote into the spare block, and only there
+    k, _ = storage.flat(0)  # (H_kv, (num_blocks + 1) * S, D)
+    assert k[:, storage.num_blocks * 4:].abs().sum() > 0
+
+
+def test_the_static_step_writes_the_pool_as_the_eager_step_does(tiny_model):
+    """Same workload, eager compact vs the static step: every real block ends with the
+    same KV (padding rows touched none of them) and every token is the same."""
+    eager = make_engine(tiny_model, backend="paged", model_runner="compact", block_size=4,
+                        max_batch_size=6, prefill_chunk_size=8)
+    static, _, storage = static_engine(tiny_model)
+    outs = []
+    for engine in (eager, static):
+        hs = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in PLAN]
+        run_checked(engine)
+        outs.append([h.output.token_ids for h in hs])
+    assert outs[0] == outs[1]
+    n = storage.num_blocks * 4
+    for layer in range(storage.num_layers):
+        for a, b in zip(eager.scheduler.backend.storage.flat(layer), storage.flat(layer)):
+            torch.testing.assert_close(a, b[:, :n], rtol=1e-4, atol=1e-5)
+
+
+def test_seeded_sampling_through_the_static_step_is_the_eager_one(tiny_model):
+    eager = make_engine(tiny_model, backend="paged", model_runner="compact", block_size=4,
+                        max_batch_size=6)
+    static, _, _ = static_engine(tiny_model)
+    params = [SamplingParams(max_tokens=n, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True)
+              for i, (_, n) in enumerate(PLAN)]
+    got = [[o.token_ids for o in e.generate([p for p, _ in PLAN], params)] for e in (eager, static)]
+    assert got[0] == got[1]
+
+
+def test_the_cuda_graphs_knob_is_validated_and_off_the_gpu_changes_nothing(tiny_model):
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        EngineConfig(cuda_graphs="on")
+    engine = make_engine(tiny_model, backend="paged", model_runner="compact", cuda_graphs="auto")
+    assert engine.scheduler.backend.graphs is None  # no CUDA here: eager
+    assert engine.scheduler.backend.storage.spare_blocks == 0
+    with pytest.raises(ValueError, match="spare block"):
+        DecodeGraphs(engine.scheduler.backend.runner, engine.scheduler.backend.storage, 4, 64,
+                     capture=False)
