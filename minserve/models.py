@@ -48,7 +48,7 @@ def embedded_gguf_path() -> Path:
 
 
 def embedded_model_dir() -> Path:
-    """Folder of the converted embedded model; converts on first call (about 30 s on 2 cores, 517 MB)."""
+    """Folder of the converted embedded model; converts on first call (README.md: how long, how big)."""
     target = cache_root() / EMBEDDED_NAME
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target
