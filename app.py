@@ -396,9 +396,9 @@ FIGURES = Path(__file__).resolve().parent / "docs" / "figures.json"
 
 
 def first_run_note(path: Path = FIGURES) -> str:
-    """' (the first run converts it: about 26 s, 517 MB on disk)', the figures the README
-    quotes, read from docs/figures.json (one place for a measured figure; this file runs
-    from a checkout, which has it). Without the file: the same words, no numbers."""
+    """What the first run costs, in the figures the README quotes, read from
+    docs/figures.json (one place for a measured figure; this file runs from a checkout,
+    which has it). Without the file: the same words, no numbers."""
     try:
         from minserve.bench import figures
 

@@ -9,7 +9,7 @@
 * `tiny_llama()` -> a randomly initialised Llama built in code, for fast tests.
 
 Why convert instead of loading the GGUF each time: transformers de-quantises a
-GGUF on every load (~15 s here), and `save_pretrained` refuses the GGUF-loaded
+GGUF on every load (most of what the first conversion takes), and `save_pretrained` refuses the GGUF-loaded
 model, so we rebuild a clean model from its config and save that (D2).
 """
 
