@@ -68,3 +68,35 @@ def test_a_model_passed_in_is_checked_on_the_device_it_is_on(tiny_model):
     with pytest.raises(ValueError, match="runs on the CPU .* not on meta"):
         Engine(config, model=copy.deepcopy(tiny_model).to("meta"))
     assert Engine(config, model=tiny_model).device.type == "cpu"
+
+
+def test_every_lesson_builds_its_engines_on_the_cpu_and_says_why():
+    """Lessons 01-07 run on the CPU wherever they are opened (a Mac's `auto` would pick
+    MPS): every EngineConfig and load_model in their code names device "cpu", and each
+    lesson's introduction says why."""
+    import ast
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "notebooks"
+    lessons = sorted(root.glob("0[1-7]_*.ipynb"))
+    assert len(lessons) == 7
+    for path in lessons:
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        assert "*Why the CPU.*" in "".join(cells[0]["source"]), path.name
+        calls = 0
+        for cell in cells:
+            if cell["cell_type"] != "code":
+                continue
+            code = "\n".join(line for line in "".join(cell["source"]).splitlines()
+                             if not line.lstrip().startswith(("%", "!")))
+            for node in ast.walk(ast.parse(code)):
+                name = getattr(getattr(node, "func", None), "id", None)
+                if isinstance(node, ast.Call) and name in ("EngineConfig", "load_model"):
+                    calls += 1
+                    device = [k.value for k in node.keywords if k.arg == "device"]
+                    if name == "load_model" and len(node.args) >= 3:
+                        device = [node.args[2]]
+                    assert [getattr(d, "value", None) for d in device] == ["cpu"], \
+                        (path.name, ast.unparse(node))
+        assert calls, f"{path.name} builds no engine"
