@@ -77,7 +77,8 @@ lab-check: setup     # every solution passes all checks; every student version, 
 
 # Not part of `make test`: installs vLLM's CPU build into .peers/vllm (~1.5 GB, minutes),
 # then starts minserve, vLLM and `transformers serve` one at a time on the same model and
-# writes the table into docs/benchmarks.md (about an hour on 2 cores; run it on a quiet machine).
+# writes the table into docs/benchmarks.md (how long it takes: README.md's table; run it on a
+# quiet machine).
 peers-bench: setup
 	bash scripts/peers_setup.sh .peers/vllm
 	$(BIN)/python -m minserve.bench.side_by_side --write $(ARGS)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from minserve.chat.logic import APP_DEFAULTS, FLOOD_DEFAULTS, NOISY_SESSION, ChatApp
+from minserve.chat.logic import APP_DEFAULTS, FLOOD_DEFAULTS, NOISY_SESSION, ChatApp, app_defaults
 from minserve.config import EngineConfig
 from minserve.inspection import viz
 from minserve.inspection.trace import Trace, engine_config
@@ -100,21 +100,26 @@ THEME = gr.themes.Soft(font=["ui-sans-serif", "system-ui", "sans-serif"],  # no 
 
 
 # ------------------------------------------------------------------ the live panel
-SHORT_LABELS = {"pending": "Q1 pending", "prefilling": "Q2 prefill", "active": "Q3 active",
-                "left": "left"}
+SHORT_LABELS = {"pending": "Q1 pending", "prefilling": "Q2 prefill", "active": "Q3 active"}
+# Read on a projector at 1280x720 (tests/test_demo_steps_browser.py measures it): three
+# queue columns (the requests that left go into the title), cards' text at 13 px and at
+# most CARD_CHARS characters a line, so that no line runs past its card.
+CARD_FONT_PX, CARD_CHARS = 13, 22
 
 
 def queues_figure(rec, trace, max_cards: int = 4):
-    """`viz.queues`, with each queue cut to its first `max_cards` cards (a flood is long)."""
+    """`viz.queues`, with each queue cut to its first `max_cards` cards (a flood is long),
+    narrow cards of large text, and headers that say the true lengths."""
     shown = dataclasses.replace(rec, queues={q: ids[:max_cards] for q, ids in rec.queues.items()})
-    fig = viz.queues(shown, title=f"tick {rec.tick}: the queues (first {max_cards} of each)")
+    left = len(rec.evict.evicted) + len(rec.admit.rejected) + len(rec.admit.cancelled)
+    fig = viz.queues(shown, title=f"tick {rec.tick}: the queues (first {max_cards} of each)"
+                                  f" · {left} left this tick",
+                     columns=tuple(SHORT_LABELS), font_size=CARD_FONT_PX, wrap=CARD_CHARS)
     counts = {q: len(ids) for q, ids in rec.queues.items()}
-    counts["left"] = len(rec.evict.evicted) + len(rec.admit.rejected) + len(rec.admit.cancelled)
-    for ann in fig.layout.annotations:  # a narrow column: smaller text, shorter headers
-        ann.font.size = 9
+    for ann in fig.layout.annotations:
         for q, label in COLUMNS:
-            if ann.text.startswith(f"<b>{label}</b>"):  # ... which say the true lengths
-                ann.update(text=f"<b>{SHORT_LABELS[q]}</b> ({counts.get(q, 0)})", font_size=12)
+            if q in SHORT_LABELS and ann.text.startswith(f"<b>{label}</b>"):
+                ann.update(text=f"<b>{SHORT_LABELS[q]}</b> ({counts.get(q, 0)})")
     fig.update_layout(margin={"l": 10, "r": 10})
     return fig
 
@@ -370,18 +375,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=None,
                    help="TCP port (env MINSERVE_APP_PORT; default 7860)")
     add_threads_argument(p)
-    add_engine_arguments(p, APP_DEFAULTS)
+    cap = f"{APP_DEFAULTS['max_rows_per_session']} under fair, none under fcfs"
+    add_engine_arguments(p, {**APP_DEFAULTS, "max_rows_per_session": cap})
     return p.parse_args(argv)
 
 
 def config_from_args(args: argparse.Namespace, env: dict | None = None) -> tuple[EngineConfig,
                                                                                   str, int]:
-    """(engine config, host, port): flag > environment > the app's defaults > EngineConfig's."""
+    """(engine config, host, port): flag > environment > the app's defaults (for the
+    policy chosen: `app_defaults`) > EngineConfig's."""
     env = dict(os.environ if env is None else env)
-    config = engine_config_from_args(args, env, defaults=APP_DEFAULTS)
+    policy = args.policy or env.get("MINSERVE_POLICY") or APP_DEFAULTS["policy"]
+    config = engine_config_from_args(args, env, defaults=app_defaults(policy))
     host = args.host or env.get("MINSERVE_APP_HOST") or "127.0.0.1"
     port = args.port if args.port is not None else int(env.get("MINSERVE_APP_PORT") or 7860)
     return config, host, port
+
+
+FIGURES = Path(__file__).resolve().parent / "docs" / "figures.json"
+
+
+def first_run_note(path: Path = FIGURES) -> str:
+    """What the first run costs, in the figures the README quotes, read from
+    docs/figures.json (one place for a measured figure; this file runs from a checkout,
+    which has it). Without the file: the same words, no numbers."""
+    try:
+        from minserve.bench import figures
+
+        fig = figures.load(path)
+        secs, mb = fig["model.first_conversion_s"]["value"], fig["model.converted_mb"]["value"]
+    except (OSError, ValueError, KeyError):
+        return " (the first run converts it once, into ~/.cache/minserve)"
+    return f" (the first run converts it: about {secs:.0f} s, {mb:.0f} MB on disk)"
 
 
 def main(argv=None) -> int:
@@ -398,8 +423,8 @@ def main(argv=None) -> int:
         return 2
     from minserve import Engine
 
-    print(f"loading {config.model or 'the embedded SmolLM2-135M-Instruct'} "
-          "(the first run converts it: about 30 s, 517 MB on disk) ...", file=sys.stderr)
+    print(f"loading {config.model or 'the embedded SmolLM2-135M-Instruct'}"
+          + ("" if config.model else first_run_note()) + " ...", file=sys.stderr)
     try:
         engine = Engine(config)
     except ValueError as e:

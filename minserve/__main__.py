@@ -24,7 +24,8 @@ DEMO_PROMPTS = [
 def demo(args: argparse.Namespace) -> int:
     from . import Engine, EngineConfig, SamplingParams
 
-    print("loading the embedded SmolLM2-135M-Instruct (the first run converts it: about 30 s) ...")
+    print("loading the embedded SmolLM2-135M-Instruct (the first run converts it once, into "
+          "~/.cache/minserve) ...")
     engine = Engine(EngineConfig(max_batch_size=args.max_batch_size, policy=args.policy,
                                  backend=args.backend, prefill_chunk_size=args.prefill_chunk_size))
     handles = {}

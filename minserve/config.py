@@ -111,6 +111,8 @@ class EngineConfig:
             v = getattr(self, name)
             need(v in choices, f"{name}={v!r}; use one of {choices}")
         need(isinstance(self.device, str) and self.device != "", "device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
+        if self.device != "auto":  # "auto" is resolved by the engine, which asks again
+            self.check_device(self.device.split(":")[0])
         # counts: an int >= 1; where a meaning of None is given, None too
         for name, none in (("max_batch_size", ""), ("max_queue_size", ""),
                            ("max_rows_per_session", "for no cap"), ("fair_max_sessions", ""),
@@ -152,6 +154,21 @@ class EngineConfig:
              f"not backend={self.backend!r}")
         need(mode is not PrefillMode.CHUNKED or self.prefill_chunk_size > 0,
              "prefill_mode='chunked' needs prefill_chunk_size > 0")
+
+    def check_device(self, device_type: str) -> None:
+        """D1: refuse what this config asks of a device that does not have it, saying why:
+        the C decode kernel is CPU-only, and MPS computes bfloat16 only from macOS 14 and
+        no test has run it there. (Whether the device exists is `models.resolve_device`'s.)"""
+        problems = []
+        if device_type != "cpu" and self.decode_attention == "kernel":
+            problems.append(f"decode_attention='kernel' runs on the CPU (fast/decode_kernel.c "
+                            f"reads float32 CPU memory), not on {device_type}; use "
+                            "decode_attention='torch' or 'auto'")
+        if device_type == "mps" and self.dtype == "bfloat16":
+            problems.append("dtype='bfloat16' on mps: MPS has bfloat16 only from macOS 14 and "
+                            "minserve has not run it there; use dtype='float16' or 'float32'")
+        if problems:
+            raise ValueError("EngineConfig: " + "; ".join(problems))
 
     @property
     def prefill(self) -> PrefillMode:

@@ -33,7 +33,7 @@ from .backends.base import refuse_unsupported
 from .backends.padded import PaddedBackend
 from .config import EngineConfig
 from .fair import FairPolicy
-from .models import load_model
+from .models import load_model, resolve_device
 from .policies import FCFSPolicy, Policy
 from .records import TickRecord
 from .request import Request, RequestOutput
@@ -59,10 +59,12 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, *, model: torch.nn.Module | None = None,
                  tokenizer=None) -> None:
         self.config = config = config or EngineConfig()
-        if model is None:
+        if model is None:  # D1: "auto" may pick mps: refuse what it lacks before loading
+            config.check_device(resolve_device(config.device).type)
             model, tokenizer = load_model(config.model, config.dtype, config.device)
         self.model, self.tokenizer = model.eval(), tokenizer
         self.device = next(model.parameters()).device
+        config.check_device(self.device.type)
         self.max_model_len = config.max_model_len or int(model.config.max_position_embeddings)
         self.eos_token_ids = self._eos_ids()
         # A local folder is named by its last component (no home paths in UIs or /v1/models).

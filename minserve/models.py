@@ -9,7 +9,7 @@
 * `tiny_llama()` -> a randomly initialised Llama built in code, for fast tests.
 
 Why convert instead of loading the GGUF each time: transformers de-quantises a
-GGUF on every load (~15 s here), and `save_pretrained` refuses the GGUF-loaded
+GGUF on every load (most of what the first conversion takes), and `save_pretrained` refuses the GGUF-loaded
 model, so we rebuild a clean model from its config and save that (D2).
 """
 
@@ -48,7 +48,7 @@ def embedded_gguf_path() -> Path:
 
 
 def embedded_model_dir() -> Path:
-    """Folder of the converted embedded model; converts on first call (about 30 s on 2 cores, 517 MB)."""
+    """Folder of the converted embedded model; converts on first call (README.md: how long, how big)."""
     target = cache_root() / EMBEDDED_NAME
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target

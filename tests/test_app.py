@@ -31,9 +31,12 @@ from minserve.chat.logic import (
     NOISY_SESSION,
     NOTICE,
     STOPPED,
+    WAITING,
+    app_defaults,
     chat_messages,
     friendly_refusal,
     text_of,
+    waiting_words,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -366,10 +369,11 @@ def test_a_waiting_user_is_told_why_instead_of_a_spinner(serve):
     engine.stop()  # ... and keeps it: on a busy machine its 512 tokens could end first
     job = client.submit("Hello there", [], 0.0, 8, api_name="/chat")
     said = lambda: [reply_of(o) for o in job.outputs()]  # noqa: E731
-    assert wait_for(lambda: any("batch is full (1/1 rows)" in t for t in said())), said()
+    assert wait_for(lambda: any("batch is full: 1/1 rows are running, all of them "
+                                f"{NOISY_SESSION}'s" in t for t in said())), said()
     engine.start()
     waiting = next(o for o in job.outputs() if "batch is full" in reply_of(o))
-    assert reply_of(waiting).startswith("⏳") and waiting[2].endswith("pending"), waiting
+    assert reply_of(waiting).startswith(WAITING) and waiting[2].endswith("pending"), waiting
     client.predict(api_name="/flood_stop")
     final = job.result(timeout=120)
     assert "batch is full" not in reply_of(final) and final[2].endswith("length"), final[2]
@@ -461,3 +465,60 @@ def test_a_closed_tab_leaves_the_sessions_table(chat_app):
     assert set(chat_app.book.snapshot()) == {"user-tab-tw"}
     chat_app.book.finished("user-tab-on", chat_app.engine.generate(["x"])[0])  # a late end
     assert set(chat_app.book.snapshot()) == {"user-tab-tw"}
+
+
+# --- why a chat waits: the real cause, read from engine.explain -------------------------
+def _waiting_chat(chat_model, **cfg):
+    """A step-mode engine whose batch session A fills (cfg decides the cap), and B's chat
+    pending behind A's backlog: (engine, B's handle)."""
+    from minserve import SamplingParams
+
+    engine = Engine(EngineConfig(device="cpu", max_batch_size=2, **cfg), model=chat_model[0],
+                    tokenizer=chat_model[1])
+    for _ in range(4):
+        engine.submit([5, 6, 7], SamplingParams(max_tokens=50), session_id="a")
+    engine.step()
+    engine.step()
+    return engine, engine.submit([5, 6, 7], SamplingParams(max_tokens=4), session_id="b")
+
+
+def test_a_chat_behind_a_full_batch_is_told_the_batch_is_full_not_the_cap(chat_model):
+    """FCFS with a cap equal to the batch (`--max-rows-per-session 8` on the demo): every row
+    is A's and A is at its cap. explain names the head's cap; what B waits for is a free
+    row, and the bubble says so, with whose rows they are."""
+    engine, h = _waiting_chat(chat_model, policy="fcfs", max_rows_per_session=2)
+    why = engine.explain(h.request_id)
+    assert why["held_by"]["reason"] == "session_cap"  # the engine's view of the head
+    words = waiting_words(why, {"a": 2})
+    assert words == ("waiting, 2 requests ahead of you; the batch is full: 2/2 rows are "
+                     "running, all of them a's"), words
+
+
+def test_a_chat_held_by_a_share_rule_with_rows_free_is_told_that_rule(chat_model):
+    """With a free row the share rule is the cause: the session cap in words, and a rule
+    this page has no words for (a new share reason) in the rejection's own message."""
+    engine, h = _waiting_chat(chat_model, policy="fcfs", max_rows_per_session=1)
+    why = engine.explain(h.request_id)
+    assert why["rows"] == 1 and why["held_by"]["reason"] == "session_cap", why
+    assert "the session cap: the head's session holds 1 rows" in waiting_words(why), why
+    why["held_by"] = {**why["held_by"], "reason": "fair_share", "message": "A holds its share"}
+    assert waiting_words(why).endswith("; A holds its share"), waiting_words(why)
+    why["held_by"] = {**why["held_by"], "gate": "G2", "reason": "kv_budget", "numbers": {
+        "need": 9, "active_kv_reserved": 100, "kv_budget_tokens": 104}}
+    assert waiting_words(why).endswith("G2: 100 of 104 KV tokens are reserved, the head "
+                                       "needs 9"), waiting_words(why)
+
+
+def test_the_demo_caps_no_session_under_fcfs_unless_told_to():
+    """Under FCFS the demo shows FCFS's hog (docs/demo.md, step 4): no row cap by default;
+    a flag or variable still sets one; under fair the cap stays."""
+    assert app_defaults("fcfs")["max_rows_per_session"] is None
+    assert app_defaults("fair")["max_rows_per_session"] == APP_DEFAULTS["max_rows_per_session"]
+    cfg = lambda argv, env=None: chat_demo.config_from_args(chat_demo.parse_args(argv),  # noqa: E731
+                                                           env=env or {})[0]
+    assert cfg(["--policy", "fcfs"]).max_rows_per_session is None
+    assert cfg([], {"MINSERVE_POLICY": "fcfs"}).max_rows_per_session is None
+    assert cfg([]).max_rows_per_session == 6
+    assert cfg(["--policy", "fcfs", "--max-rows-per-session", "8"]).max_rows_per_session == 8
+    assert cfg(["--policy", "fcfs"], {"MINSERVE_MAX_ROWS_PER_SESSION": "3"}
+               ).max_rows_per_session == 3

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from minserve.chat.logic import WAITING
+
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run"]
@@ -79,7 +81,7 @@ def test_reply_streams_into_the_page_beside_the_live_panel(page_url, browser, tm
     lengths, deadline, typed, refused = [], time.monotonic() + 120, None, False
     while time.monotonic() < deadline:
         text = bot.inner_text() if page.locator("#chat .bot-row").count() else ""
-        waiting = text.strip().startswith("⏳")  # why it waits (engine.explain), no reply yet
+        waiting = text.strip().startswith(WAITING.strip())  # why it waits (engine.explain)
         if (text.strip() not in ("", "…") and not waiting
                 and (not lengths or len(text) != lengths[-1])):
             lengths.append(len(text))

@@ -127,3 +127,97 @@ def test_the_figure_check_catches_a_stale_number_and_sync_repairs_it(tmp_path):
     assert page.read_text().startswith("froze for 26<!-- fig:stall --> s, then 25.5<!--")
     assert "about 2,500<!-- fig:lines -->" in page.read_text()
     assert figures.render(1.73, "2") == "2" and figures.render(8.25, "7.5") == "8.2"
+
+
+# ------------------------------------------------------------------ one figure, one place
+# Figures that several pages and programs quote: the words a sentence quoting one has,
+# and the units its number comes in. The first conversion once read 26 s in the README,
+# 20 s in docs/demo.md and 30 s in what app.py printed; `make peers-bench` 40 minutes in
+# the README and an hour in the Makefile.
+QUOTED_FIGURES = {
+    "model.first_conversion_s": (r"\bconvert|\bconversion", r"s|seconds?"),
+    "peers_bench.minutes": (r"peers-bench|peers_bench", r"min|minutes?|h|hours?"),
+}
+# Where a figure is measured and written down by the program that measured it (not
+# quoted): docs/benchmarks.md's side-by-side section says how long its run took.
+RECORDS = {"peers_bench.minutes": ("docs/benchmarks.md", r"took (\d+) min")}
+WORDS_FOR_A_NUMBER = r"\b(?:an?|half an?|one|two|three)\s+"
+SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z`*(])|\n\s*\n")  # a Makefile's unit: a paragraph
+
+
+def quoting_files() -> list[Path]:
+    """What may quote a figure: the prose, the lessons, the Makefile, the programs."""
+    return [*PROSE, ROOT / "Makefile", ROOT / "app.py", *sorted((ROOT / "minserve").rglob("*.py")),
+            *sorted((ROOT / "scripts").glob("*.py")), *sorted((ROOT / "notebooks").glob("*.ipynb"))]
+
+
+def quotes(name: str, files=None) -> list[tuple[str, str, str | None]]:
+    """(file, the number as written, the figure it is marked with or None) for every
+    number in a sentence that quotes figure `name` (its words, then a number in its units)."""
+    words, units = QUOTED_FIGURES[name]
+    record = RECORDS.get(name)
+    num = re.compile(rf"(?P<num>\d[\d,]*(?:\.\d+)?|{WORDS_FOR_A_NUMBER.strip()})"
+                     rf"(?:<!-- fig:(?P<fig>[\w.-]+) -->)?\s*(?:{units})\b")
+    found = []
+    for path in files or quoting_files():
+        text = read(path)
+        if path.suffix == ".ipynb":  # the text a reader sees: markdown cells and code
+            import json
+
+            text = "\n\n".join("".join(c["source"]) for c in json.loads(text)["cells"])
+        parts = text.split("\n\n") if path.name == "Makefile" else SENTENCE.split(text)
+        for sentence in parts:
+            if re.search(words, sentence, re.I):
+                rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+                if record and rel == record[0] and re.search(record[1], sentence):
+                    continue  # the measurement's own record (compared with the figure below)
+                for m in num.finditer(sentence):
+                    found.append((rel, m["num"], m["fig"]))
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(QUOTED_FIGURES))
+def test_a_figure_quoted_in_several_places_is_marked_wherever_it_is_quoted(name):
+    """Each quote is the marked number (whose value the check above compares with
+    docs/figures.json); a program or the Makefile, where no marker goes, quotes none:
+    app.py reads the figure from docs/figures.json, the Makefile points to the README."""
+    found = quotes(name)
+    assert any(fig == name for _, _, fig in found), f"no page quotes {name}: {found}"
+    bad = [q for q in found if q[2] != name]
+    assert not bad, f"quoted without <!-- fig:{name} -->, or where no marker goes: {bad}"
+
+
+def test_the_quote_check_finds_unmarked_numbers_and_numbers_in_words(tmp_path):
+    page, make = tmp_path / "demo.md", tmp_path / "Makefile"
+    page.write_text("The first run converts it to a folder (about 20 s; later starts take a few "
+                    "seconds). Later loads take 2 s. It is converted once: about "
+                    "26<!-- fig:model.first_conversion_s --> s.\n\nThe chat converses in 3 s.")
+    make.write_text("# then starts the servers (about an hour on 2 cores).\npeers-bench: setup\n")
+    assert quotes("model.first_conversion_s", [page]) == [
+        ("demo.md", "20", None), ("demo.md", "26", "model.first_conversion_s")]
+    assert quotes("peers_bench.minutes", [make]) == [("Makefile", "an ", None)]
+
+
+def test_the_figure_for_make_peers_bench_is_the_run_docs_benchmarks_md_timed():
+    """docs/benchmarks.md's side-by-side section records how long its run took
+    (`side_by_side --write`); the figure the README quotes is that run's."""
+    path, record = RECORDS["peers_bench.minutes"]
+    timed = re.search(r"`make peers-bench[^`]*`.*?" + record, read(ROOT / path), re.S)
+    assert timed, "docs/benchmarks.md no longer says how long `make peers-bench` took"
+    assert figures.load()["peers_bench.minutes"]["value"] == int(timed.group(1))
+
+
+def test_no_lesson_quotes_a_wall_time_in_its_prose():
+    """A lesson's times are the reader's run's, printed by its cells; prose that quotes a
+    stored run's times (lesson 06 once said 1.4 s against 0.95 s, beside a plot of another
+    run) disagrees with what the reader sees."""
+    import json
+
+    said = []
+    for name in LESSONS:
+        for cell in json.loads(read(ROOT / "notebooks" / name))["cells"]:
+            if cell["cell_type"] == "markdown":
+                text = "".join(cell["source"])
+                said += [(name, m.group(0)) for m in
+                         re.finditer(r"\b\d[\d,]*(?:\.\d+)?\s*(?:ms|s|seconds|minutes)\b", text)]
+    assert not said, said

@@ -7,7 +7,8 @@ the page's default flood: 48 requests, 24 in flight, replies up to 128 tokens) o
 the embedded SmolLM2, the demo's engine defaults (batch 8, fair). A light user sends
 one chat message 3 s into the flood, as the docs tell a visitor to do; we time its
 first token. Three engines: fair with the demo's per-session row cap (the default),
-fair without the cap, and FCFS without it.
+fair without the cap, and FCFS, which the demo runs without it (`app_defaults`).
+The three times go into docs/figures.json (`demo_wait.*`), which docs/demo.md quotes.
 
 Why the cap matters under fair: VTC puts the light user first in line at once, but
 a line only moves when a row frees, and with every row held by a flood reply of up
@@ -27,9 +28,11 @@ PROMPT = [{"role": "user", "content": "What is the capital of France? Answer in 
 
 def light_user_ttft(model, tokenizer, *, flood_start_s: float = 3.0, **engine_cfg) -> dict:
     from .. import Engine, EngineConfig, SamplingParams
-    from ..chat.logic import APP_DEFAULTS, FLOOD_DEFAULTS, ChatApp
+    from ..chat.logic import FLOOD_DEFAULTS, ChatApp, app_defaults
 
-    cfg = EngineConfig(**{**APP_DEFAULTS, "device": "cpu", **engine_cfg})
+    policy = engine_cfg.pop("policy", "fair")
+    cfg = EngineConfig(**{**app_defaults(policy), "policy": policy, "device": "cpu",
+                          **engine_cfg})
     engine = Engine(cfg, model=model, tokenizer=tokenizer)
     app = ChatApp(engine)  # starts the worker, as the demo does
     try:
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = load_model(None, "float32", "cpu")
     runs = [light_user_ttft(model, tokenizer),  # the demo's defaults: fair + row cap 6
             light_user_ttft(model, tokenizer, max_rows_per_session=None),
-            light_user_ttft(model, tokenizer, policy="fcfs", max_rows_per_session=None)]
+            light_user_ttft(model, tokenizer, policy="fcfs")]  # the demo's fcfs: no cap
     rows = ["| engine | light user's first token after |", "|---|---|"]
     for r in runs:
         cap = (f"row cap {r['max_rows_per_session']} per session"
@@ -75,6 +78,13 @@ def main(argv: list[str] | None = None) -> None:
         "`python -m minserve.bench.demo_wait` (one run each):", "", *rows, "",
         machine_line()])
     publish("light-user-wait", md, write=not args.no_docs, doc=DOC.parent / "demo.md")
+    if not args.no_docs:
+        from . import figures
+
+        names = ("demo_wait.fair_cap_s", "demo_wait.fair_nocap_s", "demo_wait.fcfs_s")
+        figures.record({n: round(r["ttft_s"], 1) for n, r in zip(names, runs)},
+                       source=f"python -m minserve.bench.demo_wait ({machine_line().strip('_')}, "
+                              "one run each)")
 
 
 if __name__ == "__main__":

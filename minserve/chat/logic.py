@@ -39,11 +39,28 @@ from ..sampling import SamplingParams
 # the other users one chunk per tick, not its whole prefill.
 APP_DEFAULTS = {"policy": "fair", "max_queue_size": 64, "num_blocks": 256,
                 "max_rows_per_session": 6, "prefill_chunk_size": 256}
+# Under FCFS the demo shows what FCFS does (P1): whoever came first takes every row, so
+# the flood holds the whole batch and a chat waits behind its backlog (docs/demo.md,
+# step 4). The row cap is a fairness measure of the demo's fair engine; under FCFS it
+# would leave rows free and hide the wait. A flag or variable still sets one.
+FCFS_DEFAULTS = {"max_rows_per_session": None}
+
+
+def app_defaults(policy: str) -> dict[str, Any]:
+    """The demo's engine defaults under `policy`: APP_DEFAULTS, without the row cap
+    under FCFS."""
+    return {**APP_DEFAULTS, **(FCFS_DEFAULTS if policy == "fcfs" else {})}
+
+
 FLOOD_DEFAULTS = {"total": 48, "in_flight": 24, "max_tokens": 128, "duration_s": 120.0}
 NOISY_SESSION = "noisy-neighbour"
-NOTICE = "⚠️ "  # starts every message the app (not the model) writes into the chat
+# The page's own marks are characters every common font has (DejaVu, Liberation, the
+# Mac's and Windows' own): Debian's chromium has no emoji font, and drew ⚠️, ⏳ and ✋
+# as empty boxes (tests/test_demo_steps_browser.py draws each against a missing glyph).
+NOTICE = "‼ "  # starts every message the app (not the model) writes into the chat
+WAITING = "○ "  # starts the bubble that says why a request waits (no token yet)
 WAIT_POLL_S = 0.5  # how often a waiting chat re-reads why it waits (engine.explain)
-STOPPED = "■ *stopped*"  # appended to a reply the user stopped (■: in every common font; ⏹ is not)
+STOPPED = "■ *stopped*"  # appended to a reply the user stopped
 NOISY_PROMPTS = (
     "Write a very long, detailed essay about the history of the printing press.",
     "List one hundred facts about the ocean, one per line, with explanations.",
@@ -81,6 +98,64 @@ def friendly_refusal(rejection: dict[str, Any]) -> str:
     else:
         text = f"The request was refused ({gate}: {rejection.get('message')})."
     return NOTICE + text + (" Try again in a moment." if retryable else "")
+
+
+# ------------------------------------------------------------------ why a chat waits
+# The holds that are a resource running out (a gate, or every batch row taken), by
+# `Rejection.reason` (gates.py). Any other reason is a *share* rule (the session cap,
+# a tenant's KV share, ...): one session or tenant holds its share while others
+# wait. A share hold is the cause only while the batch has a free row; with every row
+# taken the batch is full whatever the shares say (explain names the head's share
+# hold first; this page names what the waiting user waits for).
+RESOURCE_REASONS = {"batch_full", "kv_budget", "kv_budget_exceeded", "block_pool",
+                    "prompt_exceeds_block_pool", "queue_full"}
+
+
+def waiting_words(why: dict[str, Any], rows: dict[str, int] | None = None) -> str:
+    """`engine.explain(rid)` of a pending or prefilling request -> why it has no token yet.
+
+    Names the real cause: the batch is full (and whose rows fill it, from `rows`:
+    session -> batch rows, the newest tick record), a gate's hold (G2, G3: its
+    numbers), or a share rule (the session cap; a reason this page does not know is
+    said with its own message), and how many requests are ahead under the policy."""
+    if why.get("state") == "prefilling":
+        return why["sentence"]
+    if why.get("state") != "pending":
+        return why.get("sentence", "")
+    held = why.get("held_by")
+    busy, size = why.get("rows", 0), why.get("max_batch_size", 0)
+    full = bool(size) and busy >= size
+    reason = held.get("reason") if held else None
+    if held is None:
+        cause = "nothing holds it: it is admitted at the next tick"
+    elif reason == "batch_full" or (full and reason not in RESOURCE_REASONS):
+        cause = f"the batch is full: {busy}/{size} rows are running"
+        owners = sorted((rows or {}).items(), key=lambda kv: (-kv[1], kv[0]))
+        if owners and len(owners) == 1:
+            cause += f", all of them {owners[0][0]}'s"
+        elif owners:
+            cause += " (" + ", ".join(f"{s} {n}" for s, n in owners) + ")"
+    elif reason == "session_cap":
+        n = held.get("numbers") or {}
+        cause = (f"the session cap: the head's session holds {n.get('session_rows')} rows, "
+                 f"its cap (max_rows_per_session={n.get('max_rows_per_session')}); other "
+                 "sessions go first")
+    elif held.get("gate") in ("G2", "G3") and reason in RESOURCE_REASONS:
+        n = held.get("numbers") or {}
+        if held["gate"] == "G2":
+            cause = (f"G2: {n.get('active_kv_reserved')} of {n.get('kv_budget_tokens')} KV "
+                     f"tokens are reserved, the head needs {n.get('need')}")
+        else:
+            cause = (f"G3: {n.get('free_blocks')} free KV blocks, the head needs "
+                     f"{n.get('blocks_needed')}")
+    else:  # a rule this page does not know by name: its own words
+        gate = held.get("gate")
+        cause = f"{gate}: {held.get('message')}" if gate not in (None, "batch") \
+            else str(held.get("message"))
+    ahead = why.get("ahead", 0)
+    where = ("you are next" if not ahead else
+             f"{ahead} request{'s' if ahead != 1 else ''} ahead of you")
+    return f"waiting, {where}; {cause}"
 
 
 # ------------------------------------------------------------------ chat history
@@ -312,8 +387,8 @@ class Turn:
 
 
 STALE_TURN_S = 30.0  # a taken turn whose reply never started (the tab went away) expires
-BUSY = ("✋ a reply is still streaming: your new message stays in the box; press Enter "
-        "again when this reply ends, or Stop it first")
+BUSY = ("one reply at a time: a reply is still streaming, so your new message stays in "
+        "the box; press Enter again when this reply ends, or Stop it first")
 
 
 class ChatApp:
@@ -426,7 +501,8 @@ class ChatApp:
                 if not done:
                     why = await asyncio.to_thread(self.engine.explain, handle.request_id)
                     if why["state"] in ("pending", "prefilling") and not reply:
-                        history[-1]["content"] = f"⏳ *{why['sentence']}*"
+                        words = waiting_words(why, self.rows_by_session())
+                        history[-1]["content"] = f"{WAITING}*{words}*"
                         yield history, status(f"{handle.request_id} {why['state']}")
                     continue
                 try:
@@ -460,6 +536,16 @@ class ChatApp:
             await events.aclose()
             with self._lock:
                 self.handles.get(session, set()).discard(handle)
+
+    def rows_by_session(self) -> dict[str, int]:
+        """session -> batch rows (prefilling or active) in the newest tick record."""
+        rec = getattr(self.engine.trace, "last", None)
+        rows: dict[str, int] = {}
+        if rec is not None:
+            for rid in rec.queues.get("prefilling", []) + rec.queues.get("active", []):
+                sess = rec.requests.get(rid, {}).get("session", "?")
+                rows[sess] = rows.get(sess, 0) + 1
+        return rows
 
     def cancel_session(self, session: str) -> list:
         """Cancel this session's requests: a queued one ends now, a running one is

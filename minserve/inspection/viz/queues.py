@@ -16,6 +16,8 @@ thin bar at the bottom of a card is its progress: prompt tokens computed
 
 from __future__ import annotations
 
+import re
+import textwrap
 from typing import Any
 
 import plotly.graph_objects as go
@@ -102,21 +104,48 @@ def _cards(rec, trace) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def queues(rec, trace=None, title: str | None = None) -> go.Figure:
+def _wrapped(lines: list[str], width: int) -> list[str]:
+    """A card's lines for a narrow card: each ' · ' part on its own line, and a part
+    longer than `width` characters (tags not counted) wrapped at spaces."""
+    out = []
+    for line in lines:
+        for part in line.split(" · "):
+            if len(re.sub(r"<[^>]+>", "", part)) <= width:
+                out.append(part)
+            else:
+                out += textwrap.wrap(part, width) or [""]
+    return out
+
+
+def queues(rec, trace=None, title: str | None = None, *, columns=None, font_size: int = 11,
+           wrap: int | None = None) -> go.Figure:
     """The queues after a tick (or after one phase, in the stepper), a card per request.
 
     One invisible scatter trace per column carries the request ids (`customdata`,
     in queue order) and the hover text, so the figure's data can be checked.
+    For a narrow or projected page (the chat demo): `columns`, the queues to draw
+    (names of COLUMNS); `font_size`, the cards' text; `wrap`, the most characters on a
+    card's line (its ' · ' parts go on lines of their own). Cards grow to their lines.
     """
     rec = style.as_record(rec)
     cols = _cards(rec, trace)
+    drawn = [(q, label) for q, label in COLUMNS if columns is None or q in columns]
+    if wrap:
+        for col in cols.values():
+            for card in col:
+                card["lines"] = _wrapped(card["lines"], wrap)
+    most = max([len(c["lines"]) for q, _ in drawn for c in cols[q]] + [3])
+    # pixels per card slot (a card and its gap: 1 axis unit): 82, or what its lines need
+    # between the text's top (0.06 below the card's) and the progress bar (0.12 high)
+    unit_px = max(82.0, (most * font_size * 1.3 + 4) / (CARD_H - 0.18))
     sessions = [c["card"].get("session") for col in cols.values() for c in col
                 if c["card"].get("session")]
     colors = style.session_colors(sessions=sessions)  # the sessions on screen: the legend
     shapes, annotations, data = [], [], []
-    for x, (q, label) in enumerate(COLUMNS):
+    for x, (q, label) in enumerate(drawn):
         annotations.append({"x": x + CARD_W / 2, "y": 0.35, "text": f"<b>{label}</b> "
-                            f"({len(cols[q])})", "showarrow": False, "font": {"size": 13}})
+                            f"({len(cols[q])})", "showarrow": False,
+                            "font": {"size": max(13, font_size + 1)}})
         xs, ys, hover = [], [], []
         for i, card in enumerate(cols[q]):
             top = -i * (CARD_H + GAP)
@@ -136,7 +165,8 @@ def queues(rec, trace=None, title: str | None = None) -> go.Figure:
                                "line": {"width": 0}})
             annotations.append({"x": x + 0.03, "y": top - 0.06, "xanchor": "left",
                                 "yanchor": "top", "align": "left", "showarrow": False,
-                                "text": "<br>".join(card["lines"]), "font": {"size": 11}})
+                                "text": "<br>".join(card["lines"]),
+                                "font": {"size": font_size}})
             xs.append(x + CARD_W / 2)
             ys.append(top - CARD_H / 2)
             info = dict(card["card"])
@@ -157,7 +187,7 @@ def queues(rec, trace=None, title: str | None = None) -> go.Figure:
                                name="held by a gate (red dashed border)",
                                marker={"symbol": "square-open", "size": 12, "color": style.HELD},
                                hoverinfo="skip"))
-    rows = max([len(c) for c in cols.values()] + [1])
+    rows = max([len(cols[q]) for q, _ in drawn] + [1])
     bottom = -rows * (CARD_H + GAP)
     if title is None:
         reserved = f"KV reserved {rec.active_kv_reserved}"
@@ -165,11 +195,11 @@ def queues(rec, trace=None, title: str | None = None) -> go.Figure:
             reserved += f"/{trace.config['kv_budget_tokens']}"
         title = f"tick {rec.tick}: the queues after the tick · {reserved} tokens (R1)"
     fig = go.Figure(data=data, layout=style.base_layout(
-        title, shapes=shapes, annotations=annotations, height=175 + 82 * rows,
+        title, shapes=shapes, annotations=annotations, height=int(126 + unit_px * (rows + 0.6)),
         margin={"l": 15, "r": 15, "t": 70, "b": 45}, showlegend=bool(colors),
-        legend={"orientation": "h", "y": 0, "yanchor": "top", "x": 0, "font": {"size": 11},
+        legend={"orientation": "h", "y": 0, "yanchor": "top", "x": 0, "font": {"size": font_size},
                 "title": {"text": "card colour = session:"},
                 "itemclick": False, "itemdoubleclick": False},
-        xaxis={"visible": False, "range": [-0.05, len(COLUMNS)]},
+        xaxis={"visible": False, "range": [-0.05, len(drawn)]},
         yaxis={"visible": False, "range": [bottom, 0.6]}, hovermode="closest"))
     return fig
