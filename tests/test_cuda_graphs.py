@@ -101,3 +101,22 @@ def test_the_cuda_graphs_knob_is_validated_and_off_the_gpu_changes_nothing(tiny_
     with pytest.raises(ValueError, match="spare block"):
         DecodeGraphs(engine.scheduler.backend.runner, engine.scheduler.backend.storage, 4, 64,
                      capture=False)
+
+
+def test_the_static_step_reads_no_value_on_the_host_so_a_graph_can_record_it():
+    """A CUDA graph records kernels, not Python: a step that reads a tensor's value on the
+    host (`.item()`, `bool(t)`, a shape taken from the data) cannot be captured. On the
+    meta device tensors have shapes and no values, so any such read raises: the whole
+    static step, the compact forward and the paged attention in it, runs there."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).eval()
+    storage = KVBlockStorage.for_model(model, 16, 4, spare_blocks=1)
+    assert storage.device.type == "meta"
+    graphs = DecodeGraphs(CompactLlama(model, 256), storage, 4, 256, capture=False)
+    out = graphs.run([1, 2, 3], [5, 9, 2], [[0, 1], [2, 3, 4], [5]])
+    assert out.shape == (3, 256) and out.device.type == "meta"
