@@ -136,7 +136,7 @@ def test_serve_refuses_a_bad_keys_file_or_two_kinds_of_key_before_loading_the_mo
     bad = tmp_path / "keys.json"
     bad.write_text('{"short": {"tenant": "a"}}')
     assert main(["serve", "--api-keys-file", str(bad)]) == 2
-    assert "8 characters" in capsys.readouterr().err
+    assert "use 16 or more" in capsys.readouterr().err
     assert main(["serve", "--api-keys-file", str(bad), "--api-key", "k"]) == 2
     assert "not both" in capsys.readouterr().err
 
