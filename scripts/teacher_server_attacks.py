@@ -455,6 +455,60 @@ def uncharged_tokenizing(loops: int = 12, chars: int = 199_000) -> dict[str, Any
             "mallory_usage": (usage or {}).get("mallory")}
 
 
+def unprovable_tokenizing(loops: int = 12, chars: int = 60_000) -> dict[str, Any]:
+    """The same loops with a text no bound proves too long (random letters, no space:
+    at least 741 tokens by its bytes, 44,000 in fact, on a 1,024-token context): it must
+    be tokenized to be refused. The tenant's tokenizer budget is what is left."""
+    import random
+
+    rng = random.Random(0)
+    text = "".join(rng.choice("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+                   for _ in range(chars))
+    with cli() as srv:
+        quiet = _ttft(srv)
+        stop, statuses = threading.Event(), {}
+
+        def loop():
+            with httpx.Client(timeout=60) as c:
+                while not stop.is_set():
+                    r = c.post(srv.url + "/v1/chat/completions",
+                               headers={"Authorization": f"Bearer {MALLORY}"},
+                               json={"messages": [{"role": "user", "content": text}]})
+                    statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+
+        threads = [threading.Thread(target=loop) for _ in range(loops)]
+        for t in threads:
+            t.start()
+        time.sleep(2.0)
+        cpu0, t0 = _proc_cpu(srv.proc.pid), time.monotonic()
+        busy = _ttft(srv)
+        cpu = (_proc_cpu(srv.proc.pid) - cpu0) / (time.monotonic() - t0)
+        stop.set()
+        for t in threads:
+            t.join()
+        usage = (srv.get("/scheduler/stats", TEACHER).json().get("usage") or {}).get("tenants")
+    return {"attack": f"{loops} loops of a {chars:,}-letter chat without spaces",
+            "alice_ttft_quiet_s": quiet, "alice_ttft_under_attack_s": busy,
+            "mallory_statuses": statuses, "server_cpu_cores_while_alice_measured": round(cpu, 2),
+            "mallory_tokenizer_s": ((usage or {}).get("mallory") or {}).get("tokenizer_s")}
+
+
+def _ttft(srv, n: int = 7) -> float:
+    """alice's median time to her first streamed token, over `n` small chats."""
+    times = []
+    for _ in range(n):
+        t0 = time.monotonic()
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60,
+                          headers={"Authorization": f"Bearer {ALICE}"},
+                          json={"messages": [{"role": "user", "content": "Hi there"}],
+                                "max_tokens": 2, "stream": True}) as r:
+            for line in r.iter_lines():
+                if '"content"' in line and '"content": ""' not in line:
+                    break
+        times.append(time.monotonic() - t0)
+    return round(statistics.median(times), 3)
+
+
 def _proc_cpu(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -520,7 +574,8 @@ def explain_leaks() -> dict[str, Any]:
 
 
 ATTACKS = [usage_per_tenant, access_log, sighup_reload, keys_file_traps, connection_flood,
-           health_reserve, key_guessing, uncharged_tokenizing, refusal_advice, explain_leaks]
+           health_reserve, key_guessing, uncharged_tokenizing, unprovable_tokenizing,
+           refusal_advice, explain_leaks]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -113,6 +113,7 @@ def test_usage_per_tenant_is_real_tokens_and_each_refusal_counted_by_reason(serv
     assert alice["finish_reasons"] == {"length": 3} and alice["tokenizer_s"] > 0
     assert usage["tenants"]["mallory"]["refused"] == {"gate": 1, "size": 1, "auth": 1,
                                                       "rate": 0, "invalid": 0}
+    assert usage["tenants"]["mallory"]["requests_finished"] == 0  # a refusal is not served
     assert usage["tenants"]["bob"]["requests_finished"] == 0  # every tenant of the file
     own = served.usage(ALICE)  # a student sees its own row only
     assert set(own["tenants"]) == {"alice"} and "unauthenticated" not in own

@@ -98,7 +98,7 @@ def check_key(key: Any, where: str, min_chars: int = MIN_KEY_CHARS,
         raise ValueError(f"{where}: the key has {len(key)} characters; use {min_chars} or more "
                          "(minserve keys new makes strong ones)")
     if len(set(key)) < min_distinct:
-        raise ValueError(f"{where}: the key uses only {len(set(key))} different characters; "
+        raise ValueError(f"{where}: the key uses only {len(set(key))} different character(s); "
                          f"use {min_distinct} or more (minserve keys new makes strong ones)")
 
 

@@ -63,6 +63,7 @@ from .schemas import (
     sampling_params,
 )
 from .shapes import SSE_DONE, ResponseShaper, sse
+from .teacher import install_teacher_routes, usage_view
 from .tokenizing import PromptBound, TokenizerBudget, retry_seconds
 from .usage import UsageLedger
 
@@ -113,7 +114,6 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
     """
     from .access import parse_api_keys
     from .keys import KeyRing
-    from .teacher import install_teacher_routes
 
     limits = limits or ServerLimits()
     if api_keys and api_key:
@@ -556,17 +556,6 @@ def _book_when_done(app, engine: Engine, handle: RequestHandle, tenant: Tenant) 
     task = asyncio.ensure_future(book())
     app.state.settling.add(task)
     task.add_done_callback(app.state.settling.discard)
-
-
-def usage_view(app, who: Tenant) -> dict[str, Any]:
-    """The usage ledger as `who` may read it: every tenant (and the refusals of clients
-    without a key) for a key granted `may_read_all_stats`, else its own row."""
-    if who.may_read_all_stats:
-        ring = app.state.keyring
-        names = {t.name for t in ring.keys.values()} if ring is not None else {who.name}
-        return app.state.ledger.view(sorted(names | app.state.ledger.known_tenants()),
-                                     anonymous=True)
-    return app.state.ledger.view([who.name], anonymous=False)
 
 
 async def _while_worker_lives(engine: Engine, events: AsyncIterator[StreamEvent],
