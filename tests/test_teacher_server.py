@@ -45,8 +45,8 @@ class Served:
         headers = {**({"Authorization": f"Bearer {key}"} if key else {}), **kw.pop("headers", {})}
         return httpx.request(method, self.url + path, headers=headers, timeout=60, **kw)
 
-    def complete(self, key, prompt, max_tokens, **body):
-        return self.call("POST", "/v1/completions", key, json={
+    def complete(self, key, prompt, max_tokens, headers=None, **body):
+        return self.call("POST", "/v1/completions", key, headers=headers or {}, json={
             "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **body})
 
     def usage(self, key=TEACHER):
