@@ -167,3 +167,11 @@ def test_serve_says_what_the_engine_runs_on(tiny_model):
     assert "up to 4 rows, 32 KV blocks of 16" in line and "torch thread" in line
     padded = Engine(EngineConfig(device="cpu"), model=tiny_model)
     assert "padded backend, HF model, monolithic prefill (chunks of whole prompts)" in engine_line(padded)
+
+
+def test_serve_refuses_a_mistyped_trusted_proxy_before_loading_the_model(capsys):
+    assert main(["serve", "--forwarded-allow-ips", "10.0.0.0/8,proxy.local",
+                 "--model", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert "--forwarded-allow-ips: 'proxy.local' is not an address" in err
+    assert "loading" not in err
