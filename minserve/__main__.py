@@ -1,4 +1,4 @@
-"""Command line: `minserve demo` and `minserve serve` (or `python -m minserve ...`).
+"""Command line: `minserve demo`, `minserve serve`, `minserve keys` (or `python -m minserve ...`).
 
 `demo` runs the embedded model on a handful of chat prompts with a decode
 batch smaller than the number of requests, and prints every tick: who was
@@ -86,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
                                    "over HTTP) and Hugging Face baselines; see docs/benchmarks.md.")
     add_bench_arguments(b)
     b.set_defaults(fn=bench)
-    commands = {"demo": d, "serve": s, "bench": b}
+    from .server.keys import add_keys_arguments, keys_command
+
+    k = sub.add_parser("keys", help="make or check an --api-keys-file (docs/security.md)")
+    add_keys_arguments(k)
+    k.set_defaults(fn=keys_command)
+    commands = {"demo": d, "serve": s, "bench": b, "keys": k}
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the subcommand's own usage, and the flag it probably meant
         sub = commands[args.cmd]

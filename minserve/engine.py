@@ -326,11 +326,12 @@ class Engine:
 
 def request_cap_message(prompt_len: int, max_tokens: int, cap: int, budget: int,
                         share: float) -> str:
+    advice = (f"lower max_tokens to {cap - prompt_len} or less" if prompt_len < cap else
+              f"the prompt alone is over that: shorten it to fewer than {cap} tokens")
     return (f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
             f"{prompt_len + max_tokens} tokens of KV; one request may reserve at most {cap} "
             f"of the {budget}-token KV budget (max_request_kv_share={share:g}), so that no "
-            f"request holds everyone else out: lower max_tokens to {max(0, cap - prompt_len)} "
-            "or less")
+            f"request holds everyone else out: {advice}")
 
 
 def max_batch_blocks(max_batch_size: int, tokens_per_row: int, block_size: int) -> int:

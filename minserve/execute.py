@@ -102,6 +102,7 @@ def piece_done(s, req: Request, start: int, end: int, first=None) -> dict[str, A
     # after a preemption: tokens whose KV existed before are computed again
     again = max(0, min(end, req.kv_high_water) - start)
     s.recomputed_tokens += again
+    req.num_recomputed_tokens += again
     # P3 charges prompt tokens computed for the first time; output tokens (which a
     # re-prefill after a preemption also carries) were charged when sampled
     new_prompt = max(0, min(end, req.prompt_len) - max(start, req.kv_high_water))

@@ -31,8 +31,13 @@ from typing import Any
 from .request import Request
 
 
-def explain(scheduler, request_id: str) -> dict[str, Any]:
-    """Where `request_id` is and why, as plain data with a `sentence` for people."""
+def explain(scheduler, request_id: str, others_private: bool = False) -> dict[str, Any]:
+    """Where `request_id` is and why, as plain data with a `sentence` for people.
+
+    `others_private`: the sentence says of a head that is another request only what any
+    client may see of the server's load (rows, KV reserved, free blocks), never that
+    request's own numbers (what it needs, its session's rows): how the HTTP server
+    answers one tenant about a queue that holds others' requests (H5)."""
     s = scheduler
     with s.lock, s.queue_lock:
         req = s.requests.get(request_id)
@@ -65,10 +70,10 @@ def explain(scheduler, request_id: str) -> dict[str, Any]:
                                f"{req.reserved_tokens} tokens of KV reservation"
                                + _preempted_note(req))
             return out
-        return _pending(s, req, out)
+        return _pending(s, req, out, others_private)
 
 
-def _pending(s, req: Request, out: dict[str, Any]) -> dict[str, Any]:
+def _pending(s, req: Request, out: dict[str, Any], others_private: bool) -> dict[str, Any]:
     order = list(s.policy)  # admission order
     pos = next(i for i, r in enumerate(order) if r is req)
     head = order[0]
@@ -80,7 +85,8 @@ def _pending(s, req: Request, out: dict[str, Any]) -> dict[str, Any]:
                kv_reserved=s.active_kv_reserved, kv_budget_tokens=s.kv_budget_tokens)
     if verdict is not None:
         out["held_by"] = {"request_id": head.request_id, **verdict.to_dict()}
-    why = _hold_words(verdict) if verdict is not None else "nothing holds it"
+    why = "nothing holds it" if verdict is None else (
+        _load_words(verdict) if others_private and pos > 0 else _hold_words(verdict))
     if pos == 0:
         sentence = (f"waiting at the head of the queue: {why}" if verdict is not None
                     else "waiting at the head of the queue: nothing holds it; it is "
@@ -111,6 +117,18 @@ def _hold_words(r) -> str:
         return (f"its session already holds {n['session_rows']} rows, the cap "
                 f"(max_rows_per_session={n['max_rows_per_session']})")
     return r.message
+
+
+def _load_words(r) -> str:
+    """A verdict on someone else's request, in words that name only the server's load."""
+    n = r.numbers
+    if r.reason == "batch_full":
+        return _hold_words(r)
+    if r.reason in ("kv_budget", "kv_budget_exceeded"):
+        return f"G2: {n['active_kv_reserved']} of {n['kv_budget_tokens']} KV tokens are reserved"
+    if r.reason in ("block_pool", "prompt_exceeds_block_pool"):
+        return f"G3: {n['free_blocks']} free blocks"
+    return f"{r.gate or 'a share rule'} ({r.reason})"
 
 
 def _fair_view(s, req: Request) -> dict[str, Any] | None:

@@ -112,6 +112,7 @@ class Request:
     # --- preemption (admission="preempt") ---
     recompute_token_ids: list[int] = field(default_factory=list)  # outputs to recompute
     num_preemptions: int = 0
+    num_recomputed_tokens: int = 0  # prompt or output tokens whose KV was computed again
     kv_high_water: int = 0  # most tokens of KV it ever held: beyond it nothing is recomputed
     policy_running: bool = False  # the policy picked it and has not been told it stopped
     finish_reason: FinishReason | None = None
@@ -189,6 +190,8 @@ class RequestOutput:
     rejection: dict[str, Any] | None = None
     num_cached_tokens: int = 0
     timing: dict[str, Any] = field(default_factory=dict)
+    num_preemptions: int = 0  # what it cost beyond one pass: a server's usage per tenant
+    num_recomputed_tokens: int = 0
 
     @classmethod
     def from_request(cls, req: Request, text: str) -> RequestOutput:
@@ -196,4 +199,6 @@ class RequestOutput:
                    token_ids=list(req.output_token_ids), text=text,
                    finish_reason=req.finish_reason.value if req.finish_reason else None,
                    rejection=req.rejection.to_dict() if req.rejection else None,
-                   num_cached_tokens=req.num_cached_tokens, timing=req.timing.to_dict())
+                   num_cached_tokens=req.num_cached_tokens, timing=req.timing.to_dict(),
+                   num_preemptions=req.num_preemptions,
+                   num_recomputed_tokens=req.num_recomputed_tokens)

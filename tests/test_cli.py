@@ -136,7 +136,7 @@ def test_serve_refuses_a_bad_keys_file_or_two_kinds_of_key_before_loading_the_mo
     bad = tmp_path / "keys.json"
     bad.write_text('{"short": {"tenant": "a"}}')
     assert main(["serve", "--api-keys-file", str(bad)]) == 2
-    assert "8 characters" in capsys.readouterr().err
+    assert "use 16 or more" in capsys.readouterr().err
     assert main(["serve", "--api-keys-file", str(bad), "--api-key", "k"]) == 2
     assert "not both" in capsys.readouterr().err
 
@@ -167,3 +167,11 @@ def test_serve_says_what_the_engine_runs_on(tiny_model):
     assert "up to 4 rows, 32 KV blocks of 16" in line and "torch thread" in line
     padded = Engine(EngineConfig(device="cpu"), model=tiny_model)
     assert "padded backend, HF model, monolithic prefill (chunks of whole prompts)" in engine_line(padded)
+
+
+def test_serve_refuses_a_mistyped_trusted_proxy_before_loading_the_model(capsys):
+    assert main(["serve", "--forwarded-allow-ips", "10.0.0.0/8,proxy.local",
+                 "--model", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert "--forwarded-allow-ips: 'proxy.local' is not an address" in err
+    assert "loading" not in err

@@ -21,9 +21,10 @@ from minserve import Engine, EngineConfig, SamplingParams
 from minserve.fair import FairPolicy
 from minserve.kv_cache import BlockManager
 from minserve.sampling import Sampler
-from minserve.server.access import load_api_keys, parse_api_keys
+from minserve.server.access import parse_api_keys
 from minserve.server.api import create_app
 from minserve.server.cli import BackgroundServer, tenancy_line
+from minserve.server.keys import load_api_keys
 
 from .test_server import SMALL, tiny_chat
 
@@ -265,12 +266,14 @@ def test_nan_logits_fail_their_row_under_greedy_too():
 # ------------------------------------------------------------------ the keys file
 def test_the_keys_file_is_validated_and_the_start_up_line_says_who_shares_what(tmp_path):
     f = tmp_path / "keys.json"
-    f.write_text(json.dumps(KEYS))
+    strong = {k + "-strong": v for k, v in KEYS.items()}  # a file's keys: 16 or more
+    f.write_text(json.dumps(strong))
     keys = load_api_keys(str(f))
-    assert keys["key-teacher-01"].may_set_priority and not keys["key-alice-0001"].may_set_priority
+    assert keys["key-teacher-01-strong"].may_set_priority
+    assert not keys["key-alice-0001-strong"].may_set_priority
     assert "priority granted to: teacher" in tenancy_line(keys, None, False)
     assert "one tenant (no key)" in tenancy_line(None, None, False)
-    for bad, says in (({"short": {"tenant": "a"}}, "8 characters"),
+    for bad, says in (({"short": {"tenant": "a"}}, "use 8 or more"),
                       ({"key-long-enough": {"tenant": "a/b"}}, "letters, digits"),
                       ({"key-long-enough": {"tenant": "a", "admin": True}}, "unknown field"),
                       ([], "JSON object")):

@@ -72,3 +72,62 @@ def test_a_bad_or_live_request_id_is_refused_naming_the_header():
                        json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
         assert r.status_code == 200
         t.join()
+
+
+# ------------------------------------------------------------------ H7: a queue of others
+def test_explain_of_a_request_behind_another_tenants_says_nothing_of_that_request():
+    """The head is mallory's, held by G2 for the KV it needs; alice, behind it, learns the
+    server's load (KV reserved), never what mallory's request needs. She names her session
+    in the body (`user: José`, which no header could carry) and asks by POST."""
+    from .test_security import key, shared
+
+    with shared(slow_decode_s=0.02) as (url, engine):
+        def send(who, body, rid=None):
+            headers = {"X-Request-Id": rid} if rid else {}
+            return threading.Thread(target=httpx.post, args=(url + "/v1/completions",), kwargs={
+                "json": {"max_tokens": 2, "ignore_eos": True, **body}, "timeout": 60,
+                "headers": {**key(who), **headers}})
+
+        running = send("mallory", {"prompt": [9], "max_tokens": 120})  # reserves 121 of 200
+        running.start()
+        while not engine.scheduler.active:
+            time.sleep(0.01)
+        head = send("mallory", {"prompt": list(range(10, 20)), "max_tokens": 70}, "m-2")
+        head.start()  # needs 80, 79 are free: G2 holds it at the head
+        while not engine.scheduler.pending:
+            time.sleep(0.01)
+        mine = send("alice", {"prompt": [3], "user": "José"}, "a-1")
+        mine.start()
+        while len(engine.scheduler.pending) < 2:
+            time.sleep(0.01)
+        r = httpx.post(url + "/scheduler/explain/a-1", json={"user": "José"},
+                       headers=key("alice"))
+        assert r.status_code == 200, r.text  # before: 405, GET only
+        e = r.json()
+        assert e["state"] == "pending" and e["position"] == 1 and e["session"] == "José"
+        assert "G2: 121 of 200 KV tokens are reserved" in e["sentence"]
+        assert "needs" not in e["sentence"] and "80" not in e["sentence"]  # before: "it needs 80"
+        # the header names the session "default": someone else's namespace, the same 404
+        assert httpx.get(url + "/scheduler/explain/a-1",
+                         headers=key("alice")).status_code == 404
+        own = httpx.get(url + "/scheduler/explain/m-2", headers=key("mallory")).json()
+        assert "it needs 80" in own["sentence"]  # a client still reads its own numbers
+        for t in (running, head, mine):
+            t.join()
+
+
+def test_a_utf8_session_header_is_refused_saying_to_use_the_body():
+    """A header value is bytes: `José` in UTF-8 was read as `JosÃ©`, another session than
+    the body's `user: José`. It is refused, everywhere a session is read."""
+    with serving() as (srv, _):
+        utf8 = {"X-Session-Id": "José".encode()}
+        r = httpx.post(srv.url + "/v1/completions", headers=utf8,
+                       json={"prompt": "Hi", "max_tokens": 1})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "invalid_session_header"  # before: 200
+        assert '"user"' in err["message"] and err["param"] == "X-Session-Id"
+        for path in ("/scheduler/explain/x-1", "/scheduler/stats"):
+            assert httpx.get(srv.url + path, headers=utf8).status_code == 400
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1,
+                                                         "user": "José"})
+        assert r.json()["minserve"]["session"] == "José"

@@ -11,6 +11,14 @@ One concept per file:
     shapes.py    engine outputs -> OpenAI response / SSE chunk shapes
     errors.py    OpenAI-shaped errors; a gate's Rejection -> 429 with Retry-After (G6)
     access.py    the API key and the served model names
+    keys.py      the keys file: strict at load, reloaded on SIGHUP, `minserve keys new`
+    guard.py     before authentication: connections and failed keys per client address
+    limits.py    what one client may cost everyone (sizes, deadlines, connection counts)
+    tokenizing.py  prompts refused before tokenizing; tokenizer time per tenant
+    usage.py     the usage ledger: real tokens and refusals per tenant
+    accesslog.py the access log (address, tenant; never a key) that feeds the ledger
+    teacher.py   /scheduler/usage.csv and /admin/reload-keys
+    lifecycle.py uvicorn under minserve: the drain on SIGTERM, the reload on SIGHUP
     cli.py       `minserve serve`: engine knobs as flags and environment variables
 
 May import: the core and its front (`minserve.engine`, `config`, `request`,

@@ -41,8 +41,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine import Engine, request_cap_message
+from ..explain import explain
 from ..streaming import RequestHandle, StreamEvent
 from .access import BearerAuth, Tenant, check_model, model_card, served_model_names, tenant_of
+from .accesslog import AccessLog
 from .errors import (
     OpenAIError,
     bad_request,
@@ -50,15 +52,20 @@ from .errors import (
     rejection_error,
     rejection_response,
 )
+from .guard import ClientGuard
 from .limits import SHUTTING_DOWN, RequestLimits, ServerLimits, shutting_down_error
 from .schemas import (
     OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
+    ExplainRequest,
     GenerationRequest,
     sampling_params,
 )
 from .shapes import SSE_DONE, ResponseShaper, sse
+from .teacher import install_teacher_routes, usage_view
+from .tokenizing import PromptBound, TokenizerBudget, retry_seconds
+from .usage import UsageLedger
 
 __all__ = ["create_app", "rejection_response", "served_model_names", "OpenAIError"]
 
@@ -91,7 +98,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
                default_max_tokens: int = 256, retry_after_s: float = 1.0,
                model_aliases: tuple[str, ...] = (), limits: ServerLimits | None = None,
                session_stats: bool = False, api_keys: dict[str, Any] | None = None,
-               allow_priority: bool = False) -> FastAPI:
+               allow_priority: bool = False, keys_file: str | None = None,
+               trusted_proxies: str | None = None) -> FastAPI:
     """The app. `manage_engine`: start the worker at startup and stop it at shutdown.
 
     `default_max_tokens` is used by chat requests that omit max_tokens
@@ -100,8 +108,12 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
     /scheduler/stats to any caller (otherwise only behind `api_key`, or one's own).
     `api_keys`: key -> Tenant (or its JSON dict, access.parse_api_keys): tenants (H5).
     `allow_priority`: without keys, let any client set `priority` (the operator's call).
+    `keys_file`: where `api_keys` came from, read again on SIGHUP or POST /admin/reload-keys
+    (keys.py). `trusted_proxies`: `--forwarded-allow-ips` (guard.py); the same value must
+    reach uvicorn (`lifecycle.uvicorn_config` reads it from the app's state).
     """
     from .access import parse_api_keys
+    from .keys import KeyRing
 
     limits = limits or ServerLimits()
     if api_keys and api_key:
@@ -128,13 +140,29 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
     app.state.draining = False  # set on SIGTERM (cli.MinserveServer): new requests get 503
     app.state.limits = limits
     app.state.tenants = tenants
+    # the keys accepted now (reloadable), or None on a server without keys
+    app.state.keyring = None if not (api_key or tenants) else KeyRing(
+        tenants or {api_key: Tenant("default", may_read_all_stats=True, scoped=False)},
+        keys_file if tenants else None)
+    app.state.ledger = ledger = UsageLedger()  # usage per tenant (usage.py, H7)
+    app.state.trusted_proxies = trusted_proxies
+    app.state.guard = ClientGuard(limits, trusted_proxies, on_refused=ledger.refused_anonymous)
+    app.state.tokenizer_budget = TokenizerBudget(limits.tokenizer_burst_s,
+                                                 limits.tokenizer_s_per_s)
+    app.state.prompt_bound = (PromptBound.for_tokenizer(engine.tokenizer)
+                              if engine.tokenizer is not None else None)
+    app.state.settling = set()  # the tasks that book each request's usage when it ends
     # server-named request id -> (tenant, session) that sent it (who may ask explain)
     app.state.owners = RecentOwners(4096)
     install_error_handlers(app)
     app.add_middleware(RequestLimits, limits=limits, state=app.state,
-                       post_paths=("/v1/completions", "/v1/chat/completions"))
-    if api_key or tenants:  # added last: the outermost check, before anything else
-        app.add_middleware(BearerAuth, api_key=api_key, tenants=tenants)
+                       post_paths=("/v1/completions", "/v1/chat/completions",
+                                   "/scheduler/explain/"))
+    if app.state.keyring is not None:  # the check before anything but the access log
+        app.add_middleware(BearerAuth, ring=app.state.keyring, guard=app.state.guard)
+    # added last: the outermost, so it logs (and books) every answer, the 401s included
+    app.add_middleware(AccessLog, ledger=ledger,
+                       open_tenant=None if app.state.keyring is not None else open_tenant.name)
 
     def caller(request: Request) -> Tenant:
         return tenant_of(request.scope) or open_tenant
@@ -161,40 +189,54 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
             raise bad_request(f"the prompt is {len(prompt)} token ids; this model's context "
                               f"is {engine.max_model_len} tokens", "prompt",
                               code="context_length_exceeded")
-        ids = await _encode(engine, prompt, "prompt")
+        who = caller(request)
+        ids = await _tokenize(app, engine, who, prompt, body, "prompt")
         return await _generate(engine, request, body, ids, "completion",
-                               OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS, retry_after_s, limits,
-                               caller(request))
+                               OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS, retry_after_s, limits, who)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model, names)
         body.check_supported()
         body.check_limits(limits)
-        ids = await _encode(engine, body.template_messages(), "messages")  # the chat template
+        who = caller(request)
+        ids = await _tokenize(app, engine, who, body.template_messages(), body, "messages")
         return await _generate(engine, request, body, ids, "chat", default_max_tokens,
-                               retry_after_s, limits, caller(request))
+                               retry_after_s, limits, who)
 
     @app.get("/scheduler/stats")
     def scheduler_stats(request: Request) -> dict[str, Any]:
         # A plain `def`: FastAPI runs it in a thread, so the brief queue lock that
         # stats() takes never stalls the event loop.
         stats, who = engine.stats(), caller(request)
+        stats["usage"] = usage_view(app, who)  # real tokens and refusals, per tenant (H7)
         if who.may_read_all_stats:  # a flag, the one --api-key, or a key's grant
             return stats
         # counters are per tenant when there are tenants (fair.py `unit`), else per session
-        own = who.name if who.scoped else request.headers.get("x-session-id")
+        own = who.name if who.scoped else session_header(request)
         return aggregate_sessions(stats, own)
 
     @app.get("/scheduler/explain/{request_id}")
     def explain_request(request_id: str, request: Request) -> dict[str, Any]:
-        """Where a request is and why (engine.explain). Only for the session that sent it
+        """Where a request is and why (explain.py). Only for the session that sent it
         (X-Session-Id / `user`, as when it was sent, in the caller's tenant); anyone else
         gets the same 404 as for an id that does not exist, so ids of other sessions
         cannot be probed. A client-named id lives in its session's own namespace
         (`engine_request_id`): nobody else can reuse, confirm or shadow it (H5)."""
+        return explain_for(request, request_id, session_header(request) or "default")
+
+    @app.post("/scheduler/explain/{request_id}")
+    def explain_by_body(request_id: str, request: Request,
+                        body: ExplainRequest | None = None) -> dict[str, Any]:
+        """The same, the session named as in a generation request's body (`user`): any
+        name a client can send there, which a header could not carry (H7)."""
+        if body is not None:
+            body.check_limits(limits)
+        session = (body.user if body is not None else None) or session_header(request)
+        return explain_for(request, request_id, session or "default")
+
+    def explain_for(request: Request, request_id: str, session: str) -> dict[str, Any]:
         who = caller(request)
-        session = request.headers.get("x-session-id") or "default"
         named = engine_request_id(who, session, request_id)
         s = engine.scheduler
         if named in s.requests or named in s.recent_finished:
@@ -204,7 +246,9 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
         else:
             raise OpenAIError(404, f"no request {request_id!r} for this session",
                               "invalid_request_error", code="request_not_found")
-        return scrub_explain(engine.explain(internal), internal, request_id, session)
+        # others_private: the sentence names no number of another client's request (H5)
+        return scrub_explain(explain(engine.scheduler, internal, others_private=True),
+                             internal, request_id, session)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -220,6 +264,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
 
     # HEAD /health: what some load balancers probe with (same answer, no body)
     app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+    install_teacher_routes(app, caller)  # usage.csv, /admin/reload-keys (teacher.py)
     return app
 
 
@@ -234,17 +279,14 @@ async def _generate(engine: Engine, request: Request, body: GenerationRequest, i
         if body.requested_max_tokens() is None:  # the default shrinks to fit the cap
             default_max_tokens = max(1, min(default_max_tokens, cap - len(ids)))
         asked = body.requested_max_tokens() or default_max_tokens
-        if len(ids) + asked > cap:
+        if len(ids) + asked > cap:  # say what to lower: the prompt, if it alone is too long
             raise OpenAIError(400, request_cap_message(
                 len(ids), asked, cap, engine.scheduler.kv_budget_tokens,
-                engine.config.max_request_kv_share), param="max_tokens",
+                engine.config.max_request_kv_share),
+                param=max_tokens_param(body) if len(ids) < cap else body.PROMPT_PARAM,
                 code="request_too_large")
     sampling = sampling_params(body, len(ids), engine.max_model_len, default_max_tokens)
-    sessions = request.headers.getlist("x-session-id")
-    if len(sessions) > 1:  # which one a proxy or we would believe is ambiguous
-        raise bad_request(f"send one X-Session-Id header, not {len(sessions)}", "X-Session-Id",
-                          code="duplicate_session_id")
-    session = body.user or request.headers.get("x-session-id") or "default"  # H2
+    session = body.user or session_header(request) or "default"  # H2
     if len(session) > limits.max_user_chars:
         raise bad_request(f"the session name (X-Session-Id) is {len(session)} characters; at "
                           f"most {limits.max_user_chars} are allowed", "user")
@@ -269,6 +311,7 @@ async def _generate(engine: Engine, request: Request, body: GenerationRequest, i
     except ValueError as e:
         raise bad_request(str(e), "prompt") from None
     handle.wait_for_worker()  # if the worker dies now, the loop below says so (503)
+    _book_when_done(request.app, engine, handle, tenant)
     if not client_id:
         request.app.state.owners.add(engine_id, (tenant.name, session))
     engine_id = client_id or engine_id  # what the client is told (x-request-id)
@@ -404,13 +447,115 @@ def _error_for(error: str | None) -> OpenAIError:
                        code="engine_error")
 
 
-async def _encode(engine: Engine, prompt, param: str) -> list[int]:
-    """Tokenise in a worker thread: a long prompt must not freeze the event loop (and with
-    it /health and every other stream)."""
+async def _tokenize(app, engine: Engine, tenant: Tenant, prompt, body: GenerationRequest,
+                    param: str) -> list[int]:
+    """The prompt's token ids, the work charged to `tenant` (tokenizing.py, H7).
+
+    429 `tokenizer_budget` while the tenant's tokenizer time is spent; 400 before
+    tokenizing when the text alone proves the prompt too long for this request
+    (`PromptBound`); else the tokenizer runs in a worker thread (never on the event
+    loop: a long prompt would freeze /health and every stream), one at a time per
+    tenant, and its CPU time is charged whether or not the request then runs."""
+    budget, ledger = app.state.tokenizer_budget, app.state.ledger
+    metered = tenant.name if tenant.scoped else None
+    wait = budget.retry_after(metered) if metered else None
+    if wait is not None:
+        raise OpenAIError(429, f"this key's tokenizer time is spent: a tenant may use "
+                               f"{budget.burst_s:g} s of CPU tokenizing at once, refilled at "
+                               f"{budget.per_s:g} s per second (tokenizer_burst_s, "
+                               f"tokenizer_s_per_s); retry in {wait:.1f} s, or send shorter "
+                               "prompts", "rate_limit_exceeded", code="tokenizer_budget",
+                          headers={"Retry-After": retry_seconds(wait), "x-should-retry": "true"})
+    bound = app.state.prompt_bound
+    limit = engine.max_model_len
+    if engine.config.max_request_kv_share < 1:
+        limit = min(limit, engine.request_kv_cap)
+    text_like = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt)
+                                            and isinstance(prompt[0], dict))
+    # a bound can pass `limit` only if the text has more bytes (at most 4 per character)
+    provable = bound is not None and text_like and 4 * body.prompt_chars() > limit
+
+    def work() -> list[int]:
+        if provable:
+            text = prompt if isinstance(prompt, str) else engine.tokenizer.apply_chat_template(
+                list(prompt), tokenize=False, add_generation_prompt=True)
+            refuse_if_too_long(engine, body, *bound.at_least(text))
+        return engine.encode(prompt)
+
     try:
-        return await asyncio.to_thread(engine.encode, prompt)
+        return await budget.run(metered, work,
+                                on_charge=lambda s: ledger.tokenized(tenant.name, s))
     except ValueError as e:
         raise bad_request(str(e), param) from None
+
+
+def refuse_if_too_long(engine: Engine, body: GenerationRequest, at_least: int, why: str) -> None:
+    """400 when a prompt of `at_least` tokens cannot fit this request, saying what to lower
+    (the prompt, or max_tokens to what could fit at most), before anything is tokenized."""
+    ctx, share = engine.max_model_len, engine.config.max_request_kv_share
+    cap = engine.request_kv_cap if share < 1 else None
+    by_cap = cap is not None and cap < ctx
+    limit = cap if by_cap else ctx
+    code = "request_too_large" if by_cap else "context_length_exceeded"
+    rule = (f"One request may reserve at most {cap} tokens of KV, prompt + max_tokens, of the "
+            f"{engine.scheduler.kv_budget_tokens}-token budget (max_request_kv_share="
+            f"{share:g}), so that no request holds everyone else out." if by_cap else
+            f"This model's maximum context length is {ctx} tokens.")  # OpenAI's words
+    prompt = f"the prompt is at least {at_least:,} tokens ({why}; counted before tokenizing)"
+    asked = body.requested_max_tokens()
+    if at_least + 1 > limit:
+        raise OpenAIError(400, f"{rule} However, {prompt}, which leaves no room for a "
+                               f"completion. Please shorten the prompt to fewer than {limit} "
+                               "tokens.", param=body.PROMPT_PARAM, code=code)
+    if asked is not None and at_least + asked > limit:
+        name = max_tokens_param(body)
+        raise OpenAIError(400, f"{rule} However, {prompt} and {name} is {asked}. Please "
+                               f"lower {name} to {limit - at_least} or less (less still if the "
+                               "prompt has more tokens than this bound), or shorten the "
+                               "prompt.", param=name, code=code)
+
+
+def max_tokens_param(body: GenerationRequest) -> str:
+    """The field the client used for max_tokens (chat: max_completion_tokens wins)."""
+    return "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None \
+        else "max_tokens"
+
+
+def session_header(request: Request) -> str | None:
+    """X-Session-Id, if sent: one, and ASCII. A header value is bytes; a UTF-8 name would
+    be read (as latin-1) as another session than the same name in the body's `user`, so
+    it is refused, saying to send it there (H7)."""
+    given = [v for k, v in request.scope["headers"] if k == b"x-session-id"]
+    if len(given) > 1:  # which one a proxy or we would believe is ambiguous
+        raise bad_request(f"send one X-Session-Id header, not {len(given)}", "X-Session-Id",
+                          code="duplicate_session_id")
+    if not given:
+        return None
+    if not given[0].isascii():
+        raise bad_request("X-Session-Id holds a non-ASCII byte: HTTP header values are bytes, "
+                          "and a UTF-8 name would be read as another session. Send the "
+                          'session as the body\'s "user" instead (for explain: POST '
+                          '/scheduler/explain/{id} with {"user": ...})', "X-Session-Id",
+                          code="invalid_session_header")
+    return given[0].decode("ascii")
+
+
+def _book_when_done(app, engine: Engine, handle: RequestHandle, tenant: Tenant) -> None:
+    """When the request ends (however the client left), book what it was served in the
+    usage ledger; a gate's refusal is booked by the access log, from the 429."""
+    async def book() -> None:
+        try:
+            async for _ in _while_worker_lives(engine, handle.__aiter__()):
+                pass
+        except OpenAIError:  # the worker died: nothing more will be served
+            return
+        out = handle.output
+        if out is not None and out.rejection is None:
+            app.state.ledger.served(tenant.name, out)
+
+    task = asyncio.ensure_future(book())
+    app.state.settling.add(task)
+    task.add_done_callback(app.state.settling.discard)
 
 
 async def _while_worker_lives(engine: Engine, events: AsyncIterator[StreamEvent],

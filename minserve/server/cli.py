@@ -133,6 +133,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                           '{"KEY": {"tenant": "NAME", "may_set_priority": false, '
                           '"may_read_all_stats": false}} (docs/security.md); env '
                           "MINSERVE_API_KEYS_FILE")
+    srv.add_argument("--forwarded-allow-ips", default=None,
+                     help="the reverse proxies whose X-Forwarded-For names the client (comma-"
+                          "separated addresses or networks, or *; uvicorn's flag). Default: "
+                          "none, the socket's address is the client's (docs/security.md)")
     srv.add_argument("--allow-priority", action="store_true",
                      help="without --api-keys-file: let any client set 'priority' (default: "
                           "priority is a grant of a key in --api-keys-file)")
@@ -259,9 +263,12 @@ def serve(args: argparse.Namespace) -> int:
             torch.set_num_threads(serving_threads())
         api_keys = None
         if settings["api_keys_file"]:
-            from .access import load_api_keys
+            from .keys import load_api_keys
 
             api_keys = load_api_keys(settings["api_keys_file"])
+        from .guard import parse_trusted
+
+        parse_trusted(args.forwarded_allow_ips)  # a typo fails now, not after the model loads
     except ValueError as e:
         print(f"minserve serve: error: {e}", file=sys.stderr)
         return 2
@@ -289,7 +296,8 @@ def serve(args: argparse.Namespace) -> int:
                      default_max_tokens=args.default_max_tokens,
                      model_aliases=tuple(args.model_alias), limits=limits,
                      session_stats=args.session_stats, api_keys=api_keys,
-                     allow_priority=args.allow_priority)
+                     allow_priority=args.allow_priority, keys_file=settings["api_keys_file"],
+                     trusted_proxies=args.forwarded_allow_ips)
     try:
         MinserveServer(uvicorn_config(app, settings["host"], settings["port"], limits,
                                       args.log_level)).run()

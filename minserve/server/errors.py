@@ -61,7 +61,22 @@ class OpenAIError(Exception):
         return {"error": err}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return ErrorResponse(self.body(), status_code=self.status, headers=self.headers,
+                             code=self.code)
+
+
+class ErrorResponse(JSONResponse):
+    """An OpenAIError's JSON response that leaves its `code` in the request's scope
+    state when sent, where the access log (and the usage ledger it feeds) reads why
+    a request was refused without parsing the body."""
+
+    def __init__(self, *args, code: str | None = None, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.code = code
+
+    async def __call__(self, scope, receive, send) -> None:
+        scope.setdefault("state", {})["minserve_error_code"] = self.code
+        await super().__call__(scope, receive, send)
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> OpenAIError:

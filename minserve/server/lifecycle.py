@@ -17,27 +17,54 @@ everyone at once:
        stops the engine).
 
 A second signal skips the wait.
+
+SIGHUP reloads the keys file (keys.py; before, it killed the server at once,
+exit 129, cutting every stream): the new keys work at once, removed ones get 401
+for new requests while the requests they already started finish, counters and
+usage stay; a file that is refused leaves the old keys, and says why in the log.
+
+The access log is minserve's own (accesslog.py: the tenant, never the key or the
+query string), so uvicorn's is off; and uvicorn believes `X-Forwarded-For` only
+from the proxies `--forwarded-allow-ips` names (by default it trusted any loopback
+client, which could then write any address into the log).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import signal
+import threading
 import time
 
 import uvicorn
+from uvicorn.config import LOGGING_CONFIG
 
 from .limits import SHUTTING_DOWN, ServerLimits, timed_h11_protocol
 
 
+def log_config(log_level: str) -> dict:
+    """uvicorn's logging, plus the `minserve` loggers (access log, guard, reloads) on stderr."""
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["minserve"] = {"handlers": ["default"], "level": log_level.upper(),
+                                     "propagate": False}
+    return config
+
+
 def uvicorn_config(app, host: str, port: int, limits: ServerLimits,
                    log_level: str = "info") -> uvicorn.Config:
+    state = _app_state(app)
+    trusted = getattr(state, "trusted_proxies", None)
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                           http=timed_h11_protocol(limits.header_timeout_s,
-                                                  limits.max_connections),
+                                                  limits.max_connections,
+                                                  getattr(state, "guard", None)),
                           timeout_keep_alive=limits.keep_alive_s,
                           # not uvicorn's limit_concurrency: its 503 is plain text, and
                           # it would refuse /health too (limits.py counts instead)
-                          timeout_graceful_shutdown=5)
+                          timeout_graceful_shutdown=5,
+                          access_log=False, log_config=log_config(log_level),
+                          proxy_headers=trusted is not None, forwarded_allow_ips=trusted)
 
 
 class MinserveServer(uvicorn.Server):
@@ -50,7 +77,19 @@ class MinserveServer(uvicorn.Server):
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
+        # a signal handler can be set from the main thread only (not BackgroundServer's)
+        if hasattr(signal, "SIGHUP") and threading.current_thread() is threading.main_thread():
+            self._loop.add_signal_handler(signal.SIGHUP, self.reload_keys)
         await super().startup(sockets)
+
+    def reload_keys(self) -> None:
+        """SIGHUP: read the keys file again (teacher.reload_keys logs what happened)."""
+        from .teacher import reload_keys
+
+        try:
+            reload_keys(_app_state(self.config.loaded_app), "SIGHUP")
+        except ValueError:
+            pass  # logged; the old keys stay and the server goes on
 
     def handle_exit(self, sig, frame) -> None:
         """Called from the signal handler (or by a test, from any thread)."""
@@ -80,6 +119,6 @@ class MinserveServer(uvicorn.Server):
 
 def _app_state(app):
     """The FastAPI app's `state`, under uvicorn's wrappers (proxy headers, ...)."""
-    while not hasattr(app, "state"):
+    while not hasattr(app, "state") and hasattr(app, "app"):
         app = app.app
-    return app.state
+    return getattr(app, "state", None)

@@ -19,7 +19,9 @@ starve the whole service:
     idle keep-alive             uvicorn `timeout_keep_alive`              connection closed
     requests in flight          `RequestLimits` (`/health` is exempt)     503, OpenAI's shape
     open connections            `TimedH11Protocol`: max_connections +     503, OpenAI's shape
-                                HEALTH_RESERVE (room kept for /health)
+                                HEALTH_RESERVE (room kept for /health:
+                                a reserve connection may only ask it)
+    connections per address     `TimedH11Protocol`, guard.py              429, closed
     shutdown grace              `MinserveServer.handle_exit` (cli.py)     final chunk / 503
 
 Tokenising runs in a worker thread (the route awaits it), never on the event
@@ -49,6 +51,13 @@ class ServerLimits:
     keep_alive_s: int = 5  # an idle keep-alive connection is closed after this
     max_connections: int = 512  # requests in flight (and open connections); beyond: 503
     shutdown_grace_s: float = 30.0  # on SIGTERM, running requests may finish within this
+    # before authentication, per client address (guard.py, SPEC H7)
+    max_connections_per_address: int = 64  # open at once; a class behind one NAT: raise it
+    auth_failures_burst: int = 20  # requests without a valid key before the throttle...
+    auth_failures_per_s: float = 1.0  # ...then one more try per 1/this seconds
+    # tokenizer time per tenant (tokenizing.py): a bucket of CPU seconds, refilled
+    tokenizer_burst_s: float = 2.0
+    tokenizer_s_per_s: float = 0.25
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -59,6 +68,8 @@ class ServerLimits:
 
 SHUTTING_DOWN = "the server is shutting down"
 HEALTH_RESERVE = 16  # connections beyond max_connections still accepted: /health answers
+HEALTH_HEADER_S = 2.0  # a reserve connection must have asked for /health within this
+HEALTH_REQUESTS = (b"GET /health ", b"GET /health?", b"HEAD /health ", b"HEAD /health?")
 OPEN_PATHS = ("/health",)  # never counted against max_connections
 
 
@@ -85,7 +96,9 @@ class RequestLimits:
     def __init__(self, app, limits: ServerLimits, state,
                  post_paths: tuple[str, ...] | None = None) -> None:
         self.app, self.limits, self.state = app, limits, state
-        self.post_paths = post_paths  # POST routes (another path: the router's 404)
+        # POST routes with a JSON body (a path ending in "/": every path under it); a POST
+        # elsewhere goes to the router (404, 405) unread
+        self.post_paths = post_paths
         self.in_flight = 0  # requests past this door and not answered yet (one event loop)
 
     async def __call__(self, scope, receive, send) -> None:
@@ -105,8 +118,9 @@ class RequestLimits:
         if getattr(self.state, "draining", False) and scope["path"] != "/health":
             await shutting_down_error().response()(scope, receive, send)
             return
-        if scope["method"] != "POST" or (self.post_paths is not None
-                                         and scope["path"] not in self.post_paths):
+        if scope["method"] != "POST" or (self.post_paths is not None and not any(
+                scope["path"] == p or (p.endswith("/") and scope["path"].startswith(p))
+                for p in self.post_paths)):
             await self.app(scope, receive, send)
             return
         headers = {}
@@ -177,14 +191,40 @@ def too_large(limit: int) -> OpenAIError:
     return OpenAIError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
 
 
-def timed_h11_protocol(header_timeout_s: float, max_connections: int | None = None):
-    """uvicorn's h11 protocol with a deadline for the request line and headers.
+def health_request(head: bytes) -> bool | None:
+    """Whether the first bytes of a connection ask for /health: True, False, or None
+    while they could still become such a request line."""
+    if head.startswith(HEALTH_REQUESTS):
+        return True
+    return None if any(r.startswith(head) for r in HEALTH_REQUESTS) else False
+
+
+def raw_response(status: str, err: OpenAIError) -> bytes:
+    """A whole HTTP/1.1 response in OpenAI's shape, for refusals made before h11 parses
+    anything (at accept): the connection is closed after it."""
+    payload = json.dumps(err.body()).encode()
+    extra = "".join(f"{k}: {v}\r\n" for k, v in err.headers.items())
+    return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            f"{extra}content-length: {len(payload)}\r\n\r\n").encode() + payload
+
+
+def timed_h11_protocol(header_timeout_s: float, max_connections: int | None = None,
+                       guard=None):
+    """uvicorn's h11 protocol with a deadline for the request line and headers, and the
+    connection limits made at accept.
 
     uvicorn times out an idle keep-alive connection, but not one that was just
     opened and sends nothing, or half a header line at a time (slowloris): such a
     connection stays open forever. This subclass arms a timer whenever the
     connection is between requests and has begun (or not begun) a new one, and
-    closes the connection if the headers are not complete in time.
+    closes the connection if the headers are not complete in time (counted against
+    its address: `guard.failed`).
+
+    At accept: past max_connections + HEALTH_RESERVE, 503; past the address's own cap
+    (`guard`), 429. A connection in the reserve (past max_connections) is a health
+    check or nothing: its first bytes must be `GET /health` (or HEAD) within
+    HEALTH_HEADER_S, and it is closed after that one answer. Before, anyone could
+    hold the reserve idle, and /health answered 503 with the rest.
     """
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -193,18 +233,39 @@ def timed_h11_protocol(header_timeout_s: float, max_connections: int | None = No
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._header_timer = None
+            self._counted_as = None  # the host `guard` counts this connection under
+            self._health_only, self._head = False, b""
             self.limit_concurrency = None  # uvicorn's own 503 is plain text: ours is below
-            if (max_connections is not None
-                    and len(self.connections) > max_connections + HEALTH_RESERVE):
-                payload = json.dumps(too_busy(max_connections).body()).encode()
-                transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: "
-                                b"application/json\r\nconnection: close\r\ncontent-length: "
-                                + str(len(payload)).encode() + b"\r\n\r\n" + payload)
-                transport.close()
+            open_now = len(self.connections)
+            if max_connections is not None and open_now > max_connections + HEALTH_RESERVE:
+                self._refuse("503 Service Unavailable", too_busy(max_connections))
                 return
-            self._header_timer = self.loop.call_later(header_timeout_s, self._headers_too_slow)
+            host = self.client[0] if self.client else None
+            if guard is not None and host is not None:
+                if not guard.connection_opened(host):
+                    self._refuse("429 Too Many Requests", too_many_from(
+                        guard.limits.max_connections_per_address))
+                    return
+                self._counted_as = host
+            self._health_only = max_connections is not None and open_now > max_connections
+            timeout = min(header_timeout_s, HEALTH_HEADER_S) if self._health_only \
+                else header_timeout_s
+            self._header_timer = self.loop.call_later(timeout, self._headers_too_slow)
+
+        def _refuse(self, status: str, err: OpenAIError) -> None:
+            self.transport.write(raw_response(status, err))
+            self.transport.close()
 
         def data_received(self, data: bytes) -> None:
+            if self._health_only and self._head is not None:  # not yet seen a request line
+                self._head += data
+                verdict = health_request(self._head)
+                if verdict is None:
+                    return  # wait for more (the short header deadline still runs)
+                if verdict is False:
+                    self._refuse("503 Service Unavailable", reserve_only(max_connections))
+                    return
+                data, self._head = self._head, None
             super().data_received(data)
             waiting_for_headers = self.conn.their_state in (h11.IDLE,)
             if waiting_for_headers and self._header_timer is None:
@@ -213,15 +274,38 @@ def timed_h11_protocol(header_timeout_s: float, max_connections: int | None = No
                 self._header_timer.cancel()
                 self._header_timer = None
 
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._health_only and not self.transport.is_closing():
+                self.transport.close()  # one health check per reserve connection
+
         def connection_lost(self, exc) -> None:
             if self._header_timer is not None:
                 self._header_timer.cancel()
                 self._header_timer = None
+            if self._counted_as is not None:
+                guard.connection_closed(self._counted_as)
+                self._counted_as = None
             super().connection_lost(exc)
 
         def _headers_too_slow(self) -> None:
             self._header_timer = None
             if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                if guard is not None and self.client:
+                    guard.failed(self.client[0])  # slowloris is an unauthenticated try too
                 self.transport.close()
 
     return TimedH11Protocol
+
+
+def too_many_from(limit: int) -> OpenAIError:
+    return OpenAIError(429, f"your address already has {limit} connections open to this server "
+                            "(max_connections_per_address); close some, or retry in a moment",
+                       "rate_limit_exceeded", code="too_many_connections_from_address",
+                       headers={"Retry-After": "1"})
+
+
+def reserve_only(limit: int) -> OpenAIError:
+    return OpenAIError(503, f"the server has {limit} connections open (max_connections); the "
+                            "few kept beyond that answer GET /health only: retry in a moment",
+                       "server_error", code="too_many_connections", headers={"Retry-After": "1"})

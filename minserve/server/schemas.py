@@ -250,6 +250,17 @@ class ChatCompletionRequest(GenerationRequest):
         return [m.as_template_dict() for m in self.messages]
 
 
+class ExplainRequest(_Strict):
+    """POST /scheduler/explain/{id}: the session, named as a generation body names it."""
+
+    user: str | None = None
+
+    def check_limits(self, limits) -> None:
+        if self.user is not None and len(self.user) > limits.max_user_chars:
+            raise bad_request(f"'user' is {len(self.user)} characters; at most "
+                              f"{limits.max_user_chars} are allowed", "user")
+
+
 # ------------------------------------------------------------------ -> SamplingParams
 def sampling_params(body: GenerationRequest, prompt_len: int, max_model_len: int,
                     default_max_tokens: int) -> SamplingParams:
