@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -81,8 +82,17 @@ def _copy_new(files: list[Path], src: Path, dest: Path) -> list[Path]:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, target)
+            if path.relative_to(src) == Path("README.md"):
+                target.write_text(student_links(path.read_text(encoding="utf-8")),
+                                  encoding="utf-8")
             copied.append(target)
     return copied
+
+
+def student_links(readme: str) -> str:
+    """The lessons' README links each lab's source, `labs/<lab>.ipynb`; in the copy, the
+    lab is its student version, `labs/<lab>/<lab>.ipynb`."""
+    return re.sub(rf"\]\({LABS}/(lab[^/)]*)\.ipynb\)", rf"]({LABS}/\1/\1.ipynb)", readme)
 
 
 def copy_lessons(src: Path, dest: Path) -> list[Path]:

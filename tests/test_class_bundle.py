@@ -57,7 +57,11 @@ def test_the_bundle_holds_the_lessons_the_student_labs_the_wheel_and_an_installe
         lab = lessons / "labs" / src.stem
         assert (lab / src.name).exists() and list((lab / "tests").glob("*.py")), lab
     assert not list((lessons / "labs").glob("*.ipynb")), "a lab's source at the top of labs/"
-    assert (bundle / "docs" / "img" / "tick_timeline.png").exists()  # what ../docs/img/... asks
+    # every relative link of the lessons (`../docs/img/...`, `labs/<lab>/<lab>.ipynb`) resolves
+    for nb in [lessons / "README.md", *lessons.glob("*.ipynb")]:
+        for link in re.findall(r"\]\(([^)#\s]+)\)", nb.read_text()):
+            if not re.match(r"[a-z]+:", link):
+                assert (nb.parent / link).exists(), f"{nb.name}: {link}"
     [wheel] = (bundle / "wheels").glob("minserve-*-py3-none-any.whl")
     install = (bundle / "install.sh").read_text()
     make = (ROOT / "Makefile").read_text()
