@@ -73,11 +73,14 @@ def test_an_older_work_copy_holding_the_sources_has_them_moved_aside_with_a_warn
     shutil.copytree(work, old_work)
     stale = old_work / "labs" / SOURCES[0].name
     stale.write_text(SOURCES[0].read_text().replace("Lab 1", "Lab 1 (my notes)"))
+    checkpoint = old_work / "labs" / ".ipynb_checkpoints" / f"{SOURCES[0].stem}-checkpoint.ipynb"
+    checkpoint.parent.mkdir()
+    shutil.copy(SOURCES[0], checkpoint)  # JupyterLab's, which "Revert" would bring back
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         assert work_copy.main(["--src", str(ROOT / "notebooks"), "--dest", str(old_work)]) == 0
     assert "WARNING" in err.getvalue() and "work-old" in err.getvalue(), err.getvalue()
-    assert not stale.exists()
+    assert not stale.exists() and not checkpoint.exists()
     [moved] = (tmp_path / "work-old").rglob(SOURCES[0].name)
     assert "(my notes)" in moved.read_text() and moved.parent.name == "labs"
     assert not [p for p in old_work.rglob("*.ipynb") if work_copy.is_lab_source(p)]
