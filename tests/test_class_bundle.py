@@ -80,7 +80,7 @@ def test_the_bundle_holds_the_lessons_the_student_labs_the_wheel_and_an_installe
 
 def test_the_bundle_holds_no_solution_and_no_hidden_test_by_content(bundle, tmp_path):
     forbidden = bundle_script.forbidden_strings(SOURCES)
-    # derived from the sources, so it knows the answer line the issue found in work/
+    # derived from the sources, so it knows lab 1's answer line, once copied into work/
     assert "return (-req.priority, req.arrival_seq)" in forbidden
     for src in SOURCES:  # every lab gives solution lines, and hidden-test lines
         assert any(why.startswith(src.name) for why in forbidden.values()), src.name

@@ -52,7 +52,7 @@ def test_make_notebooks_copies_the_labs_student_versions_and_no_answer(work):
     assert len(links) >= len(SOURCES) and all((work / link).exists() for link in links), links
     assert not [p for p in work.rglob("*.ipynb") if work_copy.is_lab_source(p)]
     forbidden = bundle_script.forbidden_strings(SOURCES)
-    assert "return (-req.priority, req.arrival_seq)" in forbidden  # the answer the issue found
+    assert "return (-req.priority, req.arrival_seq)" in forbidden  # lab 1's answer line
     assert bundle_script.leaks(work, forbidden) == []
 
 
