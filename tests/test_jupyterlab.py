@@ -99,9 +99,10 @@ def test_make_notebooks_serves_work_copies_made_once_and_reset_keeps_the_old_one
     assert re.search(r"^/work/$", (ROOT / ".gitignore").read_text(), re.M)
     work = tmp_path / "work"
     copied = copy_lessons(ROOT / "notebooks", work)
-    lessons = sorted(p.relative_to(ROOT / "notebooks") for p in (ROOT / "notebooks").rglob("*.ipynb")
-                     if ".ipynb_checkpoints" not in p.parts)
-    assert lessons and {p.relative_to(work) for p in copied} >= set(lessons) | {Path("README.md")}
+    lessons = sorted(p.relative_to(ROOT / "notebooks") for p in (ROOT / "notebooks").glob("*.ipynb"))
+    labs = [Path("labs") / p.stem / p.name for p in (ROOT / "notebooks" / "labs").glob("*.ipynb")]
+    assert lessons and {p.relative_to(work) for p in copied} >= set(lessons) | set(labs) | {
+        Path("README.md")}  # the labs as their student versions: tests/test_student_copies.py
     assert not (work / "conftest.py").exists()
     edited = work / lessons[0]
     edited.write_text("a student's edit")

@@ -180,7 +180,8 @@ class KvLengthBackend(PaddedBackend):
         n = row.get_seq_length()
         self.splices.append((self.width, self.kv_length))
         width = self.kv_length  # the bug
-        grow, row_pad = max(0, n - width), max(0, width - n)
+        grow = max(0, n - width)  # as the engine's own splice-in (backends/padded.py)
+        row_pad = max(0, width - n)
         for big, small in zip(self.cache.layers, row.layers):  # (B, H_kv, L, D) per layer
             big.keys = torch.cat([F.pad(big.keys, (0, 0, grow, 0)), F.pad(small.keys, (0, 0, row_pad, 0))])
             big.values = torch.cat([F.pad(big.values, (0, 0, grow, 0)),
