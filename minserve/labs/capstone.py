@@ -46,7 +46,7 @@ def _ids(reqs) -> list[str]:
     return [getattr(r, "request_id", r) for r in reqs]
 
 
-def _look(p, waiting: list, when: str) -> None:
+def _look(p, waiting: list, when: str):
     """What the scheduler and the queue figures read, checked against who really waits:
     len, iter (the same requests, the head first: admission order, docs/policies.md),
     peek (only looks, stable, the highest priority tier first)."""
@@ -80,6 +80,7 @@ def _look(p, waiting: list, when: str) -> None:
              f"{head.request_id}: __iter__ must yield the waiting requests in admission order "
              "(docs/policies.md), the head first; the queue figures and TickRecord.queues "
              "read it", _where("__iter__"))
+    return head
 
 
 def _pick(p, waiting: list, when: str):
@@ -130,6 +131,7 @@ def check_contract(cls, seed: int = 0, n: int = 20) -> None:
     reqs = [make_req(i, rng.choice("abc"), prompt=rng.randint(1, 30), out=rng.randint(1, 20),
                      priority=rng.choice([0, 0, 0, 1])) for i in range(n)]
     p = student(cls, name="MyPolicy()", where=WHERE)
+    _peek_sees_arrivals(cls, n)
     waiting, out = [], []
     gone = None
     for i, r in enumerate(reqs):
@@ -159,27 +161,49 @@ def check_contract(cls, seed: int = 0, n: int = 20) -> None:
     _late_high_priority(cls, rng)
 
 
+def _peek_sees_arrivals(cls, n: int) -> None:
+    """Peek, then a higher-priority request arrives: the next peek returns it (any policy
+    must: P1), not the answer of the peek before."""
+    p = student(cls, name="MyPolicy()", where=WHERE)
+    low, high = make_req(n + 1, "a", prompt=5, out=5), make_req(n + 2, "b", prompt=30, out=20,
+                                                                priority=1)
+    student(p.on_request_arrived, low, name="on_request_arrived", where=WHERE)
+    first = student(p.peek_next, name="peek_next", where=WHERE)
+    student(p.on_request_arrived, high, name="on_request_arrived", where=WHERE)
+    second = student(p.peek_next, name="peek_next", where=WHERE)
+    if second is not high:
+        listed = student(list, p, name="__iter__", where=WHERE)
+        # iter already puts the newcomer first: peek kept an answer from before it arrived
+        stale = second is first and listed[:1] == [high]
+        fail(f"{low.request_id} (priority 0) arrived and peek_next returned "
+             f"{_ids([first])[0]}; then {high.request_id} (priority 1) arrived and peek_next "
+             f"returned {_ids([second])[0]}" + (
+                 ", its answer before that arrival, although iter() lists "
+                 f"{high.request_id} first. A head remembered from an earlier peek goes "
+                 "stale; let every arrival count at the next peek" if stale else
+                 ": a higher priority tier always goes first (P1); make -priority the first "
+                 "element of your key"), _where("peek_next" if stale else "key"))
+
+
 def _late_high_priority(cls, rng: random.Random, rounds: int = 40) -> None:
-    """Low-priority requests wait through `rounds` admissions (short ones keep arriving),
-    then a long high-priority one arrives: it is the next head (P1), aging or not."""
+    """A backlog of priority-0 requests waits through `rounds` admissions, then a long
+    priority-1 request arrives: it is the next head (P1), however long the others aged."""
     p = student(cls, name="MyPolicy()", where=WHERE)
     seq = iter(range(rng.randint(0, 100), 100_000))
-    waiting = [make_req(next(seq), "slow", prompt=rng.randint(30, 40), out=rng.randint(16, 24))]
-    waiting += [make_req(next(seq), "quick", prompt=rng.randint(2, 5), out=3) for _ in range(3)]
+    waiting = [make_req(next(seq), rng.choice(["ann", "ben", "cat"]), prompt=rng.randint(2, 30),
+                        out=rng.randint(2, 16)) for _ in range(rounds + 10)]
     for r in waiting:
         student(p.on_request_arrived, r, name="on_request_arrived", where=WHERE)
     for k in range(rounds):
-        picked = _pick(p, waiting, f"after {k} admissions of priority-0 requests")
+        picked = _pick(p, waiting, f"a backlog of {rounds + 10} priority-0 requests, after {k} "
+                                   "admissions")
         p.on_tokens_processed(picked, picked.prompt_len, picked.max_tokens)
         p.on_request_finished(picked)
-        fresh = make_req(next(seq), "quick", prompt=rng.randint(2, 5), out=3)
-        student(p.on_request_arrived, fresh, name="on_request_arrived", where=WHERE)
-        waiting.append(fresh)
     high = make_req(next(seq), "vip", prompt=40, out=24, priority=1)
     student(p.on_request_arrived, high, name="on_request_arrived", where=WHERE)
     waiting.append(high)
     _look(p, waiting, f"a priority-1 request ({high.request_id}, 40 + 24 tokens) arrived after "
-                      f"priority-0 ones waited through {rounds} admissions")
+                      f"{len(waiting) - 1} priority-0 ones waited through {rounds} admissions")
 
 
 @guarded_check(30, reference, WHERE)

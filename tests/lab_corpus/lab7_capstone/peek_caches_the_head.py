@@ -1,6 +1,6 @@
 # mistake: peek_next remembers its answer until the next pick: a request that arrives after a peek is not seen
-# expect: a higher priority tier always goes first
-# expect: let every arrival count at the next peek
+# expect: a head remembered from an earlier peek goes stale
+# expect: where to look: MyPolicy.peek_next
 class MyPolicy(Policy):
     name = "mine"
 
