@@ -223,12 +223,19 @@ def otter_run(zip_path: Path, submission: Path) -> dict:
     """`otter run -a ZIP SUBMISSION` (the CLI's own function, `otter.run.main`): the notebook
     runs in a fresh kernel, then every test, hidden ones too. Returns, per question,
     score, possible and the messages of its failed cases; plus the seconds it took."""
+    import resource
+
     from otter.run import main as run
 
-    t0 = time.perf_counter()
+    def cpu() -> float:  # this process and its reaped children (the kernel)
+        return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                      resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+    t0, c0 = time.perf_counter(), cpu()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         results = run(str(submission), autograder=str(zip_path), output_dir=None, no_logo=True)
-    out = {"seconds": round(time.perf_counter() - t0, 1), "questions": {}}
+    out = {"seconds": round(time.perf_counter() - t0, 1), "cpu_seconds": round(cpu() - c0, 1),
+           "questions": {}}
     for name, tf in results.results.items():
         out["questions"][name] = {
             "score": tf.score, "possible": tf.possible,
@@ -284,7 +291,8 @@ def grade_corpus(built: dict[str, Path], work: Path, labs: list[str] | None = No
 
 
 def corpus_report(results: dict[str, dict]) -> str:
-    lines = ["| submission | score | otter run (s) | first message |", "|---|---|---|---|"]
+    lines = ["| submission | score | otter run (s) | CPU (s) | first message |",
+             "|---|---|---|---|---|"]
     for label in sorted(results):
         r = results[label]
         score = sum(q["score"] for q in r["questions"].values())
@@ -294,7 +302,8 @@ def corpus_report(results: dict[str, dict]) -> str:
         if msgs:
             first = next((ln.strip() for ln in msgs[0].splitlines() if "LabCheckFailed" in ln),
                          msgs[0].strip().splitlines()[-1])[:110]
-        lines.append(f"| {label} | {score:g} / {possible:g} | {r['seconds']} | {first} |")
+        lines.append(f"| {label} | {score:g} / {possible:g} | {r['seconds']} | "
+                     f"{r.get('cpu_seconds', '')} | {first} |")
     return "\n".join(lines)
 
 

@@ -246,6 +246,7 @@ def _hidden(lab: str, env: dict, secret: str, answers=None) -> None:
                           env["check_block_pool"], secret=secret)
     elif lab == "lab3_vtc":
         vtc.check_units(env["VTCLab"], secret=secret)
+        vtc.check_bound(env["VTCLab"], seeds=vtc.hidden_seeds(secret))
     elif lab == "lab5_blocks":
         blocks.check_units(env["BlockManagerLab"], secret=secret)
     elif lab == "lab6_chunked":

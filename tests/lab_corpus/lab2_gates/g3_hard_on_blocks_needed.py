@@ -1,5 +1,5 @@
 # mistake: G3 refuses (hard) when the blocks still needed exceed the pool, not the prompt's blocks
-# expect: expected gate='G3', reason='prompt_exceeds_block_pool', hard=True
+# expect: reason='prompt_exceeds_block_pool', hard=True)
 # expect: where to look: check_block_pool
 def check_queue_capacity(pending: int, max_queue_size: int) -> Rejection | None:
     if pending >= max_queue_size:
