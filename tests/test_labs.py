@@ -269,10 +269,10 @@ HOLES = {
 
 @pytest.mark.parametrize("lab", sorted(HOLES))
 def test_the_solution_passes_and_the_holes_fail_for_several_secrets(lab):
-    """Issue 39's hidden tests that stay hidden: whatever secret the instructor builds the
-    autograder with, the solution and the correct corpus submissions pass the hidden
-    checks, and every submission of a hole fails them. (The engine-heavy labs 6 and 7
-    with two secrets, to keep this cheap.)"""
+    """Hidden tests that stay hidden in an open repository: whatever secret the instructor
+    builds the autograder with, the solution and the correct corpus submissions pass the
+    hidden checks, and every submission of a hole fails them. (The engine-heavy labs 6
+    and 7 with two secrets, to keep this cheap.)"""
     from minserve.labs.common import LabCheckFailed
 
     solution = _cell_namespace(lab)

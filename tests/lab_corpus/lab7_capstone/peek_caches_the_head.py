@@ -1,5 +1,5 @@
 # mistake: peek_next remembers its answer until the next pick: a request that arrives after a peek is not seen
-# expect: a head remembered from an earlier peek goes stale
+# expect: A head remembered from an earlier peek goes stale
 # expect: where to look: MyPolicy.peek_next
 class MyPolicy(Policy):
     name = "mine"
