@@ -97,7 +97,8 @@ def _pick(p, waiting: list, when: str):
              _where("pick_next"))
     if after != before - 1:
         fail(f"{when}: pick_next returned {picked.request_id} and len went {before} -> {after}: "
-             "it must remove exactly the one it returns", _where("pick_next"))
+             "it must remove exactly the one it returns (if it calls remove, remove takes out "
+             "exactly that request)", f"MyPolicy.pick_next / remove; {WHERE}")
     if any(r is picked for r in p):
         fail(f"{when}: pick_next returned {picked.request_id}, len dropped by one, but iter() "
              "still lists it (and lost another one)", _where("pick_next"))
