@@ -1,6 +1,7 @@
 """`make labs` and `make lab-check`: the classroom labs, built and proven by otter-grader.
 
-    python scripts/labs.py build [OUT]   # otter assign every notebooks/labs/lab*.ipynb -> OUT
+    python scripts/labs.py build [--secret S] [OUT]   # otter assign every lab -> OUT
+                                         # (hidden inputs from S or $MINSERVE_LAB_SECRET)
     python scripts/labs.py check [OUT]   # build, then prove every lab's checks are real
     python scripts/labs.py grade ZIP SUBMISSION...   # `otter run`, many submissions, one process
     python scripts/labs.py corpus [OUT] [-j N]       # solutions + tests/lab_corpus through otter run
@@ -44,16 +45,44 @@ def lab_sources() -> list[Path]:
     return sorted(SOURCES.glob("lab*.ipynb"))
 
 
-def build(out: Path = DEFAULT_OUT, labs: list[Path] | None = None) -> dict[str, Path]:
-    """otter assign each lab into out/<lab>/ (student/ and autograder/). Returns lab -> dir."""
+# The hidden tests' placeholder for the instructor's secret (docs/teaching.md, "What is and
+# is not secret"): `build` writes the secret in its place, in the autograder's tests only.
+SECRET_MARK = '"__LAB_SECRET__"'
+SECRET_ENV = "MINSERVE_LAB_SECRET"
+
+
+def with_secret(src: Path, secret: str, dest_dir: Path) -> Path:
+    """A copy of the source notebook whose hidden tests carry `secret` instead of the
+    placeholder (the student version has no hidden test, so it never holds it)."""
+    import json
+
+    text = src.read_text().replace(json.dumps(SECRET_MARK)[1:-1],  # as the .ipynb's JSON holds it
+                                   json.dumps(json.dumps(secret))[1:-1])
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    copy = dest_dir / src.name
+    copy.write_text(text)
+    return copy
+
+
+def build(out: Path = DEFAULT_OUT, labs: list[Path] | None = None,
+          secret: str | None = None) -> dict[str, Path]:
+    """otter assign each lab into out/<lab>/ (student/ and autograder/). Returns lab -> dir.
+
+    secret: the instructor's secret, from which the hidden tests draw their inputs (default:
+    $MINSERVE_LAB_SECRET; without either, the placeholder itself, i.e. the public inputs)."""
+    import tempfile
+
     from otter.assign import main as assign
 
+    secret = secret if secret is not None else os.environ.get(SECRET_ENV) or None
     built = {}
-    for src in labs or lab_sources():
-        dest = out / src.stem
-        with contextlib.redirect_stdout(io.StringIO()):
-            assign(str(src), str(dest), no_pdfs=True, no_run_tests=True)
-        built[src.stem] = dest
+    with tempfile.TemporaryDirectory(prefix="lab-src-") as tmp:
+        for src in labs or lab_sources():
+            dest = out / src.stem
+            nb = with_secret(src, secret, Path(tmp) / src.stem) if secret else src
+            with contextlib.redirect_stdout(io.StringIO()):
+                assign(str(nb), str(dest), no_pdfs=True, no_run_tests=True)
+            built[src.stem] = dest
     return built
 
 
@@ -140,8 +169,10 @@ def check(out: Path = DEFAULT_OUT) -> int:
 # ------------------------------------------------------------------ grading with `otter run`
 @dataclass
 class Mistake:
-    """One typical wrong submission of tests/lab_corpus/<lab>/<name>.py: the graded cell as
-    a student wrote it. Its `# expect:` lines are what the grader's messages must say."""
+    """One submission of tests/lab_corpus/<lab>/<name>.py: the graded cell as a student
+    wrote it. A typical wrong one has `# mistake:` and `# expect:` lines (what the grader's
+    messages must say); a correct one written otherwise than the solution has a
+    `# correct:` line and must score full marks (the corpus tests false failures too)."""
 
     lab: str
     name: str
@@ -153,9 +184,13 @@ class Mistake:
                 if line.startswith("# expect:")]
 
     @property
+    def correct(self) -> bool:
+        return any(line.startswith("# correct:") for line in self.code.splitlines())
+
+    @property
     def what(self) -> str:
         return next((line.split(":", 1)[1].strip() for line in self.code.splitlines()
-                     if line.startswith("# mistake:")), self.name)
+                     if line.startswith(("# mistake:", "# correct:"))), self.name)
 
 
 def corpus(lab: str | None = None) -> list[Mistake]:
@@ -188,12 +223,19 @@ def otter_run(zip_path: Path, submission: Path) -> dict:
     """`otter run -a ZIP SUBMISSION` (the CLI's own function, `otter.run.main`): the notebook
     runs in a fresh kernel, then every test, hidden ones too. Returns, per question,
     score, possible and the messages of its failed cases; plus the seconds it took."""
+    import resource
+
     from otter.run import main as run
 
-    t0 = time.perf_counter()
+    def cpu() -> float:  # this process and its reaped children (the kernel)
+        return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                      resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+    t0, c0 = time.perf_counter(), cpu()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         results = run(str(submission), autograder=str(zip_path), output_dir=None, no_logo=True)
-    out = {"seconds": round(time.perf_counter() - t0, 1), "questions": {}}
+    out = {"seconds": round(time.perf_counter() - t0, 1), "cpu_seconds": round(cpu() - c0, 1),
+           "questions": {}}
     for name, tf in results.results.items():
         out["questions"][name] = {
             "score": tf.score, "possible": tf.possible,
@@ -249,7 +291,8 @@ def grade_corpus(built: dict[str, Path], work: Path, labs: list[str] | None = No
 
 
 def corpus_report(results: dict[str, dict]) -> str:
-    lines = ["| submission | score | otter run (s) | first message |", "|---|---|---|---|"]
+    lines = ["| submission | score | otter run (s) | CPU (s) | first message |",
+             "|---|---|---|---|---|"]
     for label in sorted(results):
         r = results[label]
         score = sum(q["score"] for q in r["questions"].values())
@@ -259,7 +302,8 @@ def corpus_report(results: dict[str, dict]) -> str:
         if msgs:
             first = next((ln.strip() for ln in msgs[0].splitlines() if "LabCheckFailed" in ln),
                          msgs[0].strip().splitlines()[-1])[:110]
-        lines.append(f"| {label} | {score:g} / {possible:g} | {r['seconds']} | {first} |")
+        lines.append(f"| {label} | {score:g} / {possible:g} | {r['seconds']} | "
+                     f"{r.get('cpu_seconds', '')} | {first} |")
     return "\n".join(lines)
 
 
@@ -289,10 +333,19 @@ if __name__ == "__main__":
         print(corpus_report(results))
         print(f"{len(results)} submissions in {time.perf_counter() - t0:.0f} s with {workers} processes")
         sys.exit(0)
-    out = Path(sys.argv[2]) if len(sys.argv) > 2 else DEFAULT_OUT
+    rest, secret = sys.argv[2:], None
+    if "--secret" in rest:  # build --secret S [OUT]: the hidden tests' inputs from S
+        i = rest.index("--secret")
+        if i + 1 >= len(rest):
+            sys.exit("--secret needs a value")
+        secret, rest = rest[i + 1], rest[:i] + rest[i + 2:]
+    out = Path(rest[0]) if rest else DEFAULT_OUT
     if cmd == "build":
-        for lab, d in build(out).items():
+        for lab, d in build(out, secret=secret).items():
             print(f"{lab}: {d / 'student'}  {d / 'autograder'}")
+        if not (secret or os.environ.get(SECRET_ENV)):
+            print(f"no secret (--secret or ${SECRET_ENV}): the hidden tests use the public "
+                  "inputs; see docs/teaching.md, 'What is and is not secret'")
     elif cmd == "check":
         sys.exit(check(out))
     else:

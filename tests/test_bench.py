@@ -124,6 +124,21 @@ def test_workload_is_deterministic_and_sessions_share_the_rate_by_weight():
     assert all(r.prompt_len == 40 and r.arrival_s is None for r in w.requests)
 
 
+def test_all_at_once_and_closed_loop_share_requests_by_weight_too():
+    """rate = inf (`minserve bench`'s default) and a closed loop have no arrival times to
+    merge: the sessions still get requests in proportion to their weights, spread out;
+    equal weights still take strict turns."""
+    w = make_workload(40, sessions="alice=3,bob=1,carol=1", vocab=VOCAB, seed=1)
+    names = [r.session for r in w.requests]
+    assert [names.count(s) for s in ("alice", "bob", "carol")] == [24, 8, 8]
+    assert names[:5] == ["alice", "bob", "alice", "carol", "alice"]
+    assert all(r.arrival_s == 0.0 for r in w.requests)
+    closed = make_workload(8, concurrency=2, sessions="a=3,b=1", vocab=VOCAB)
+    assert [r.session for r in closed.requests].count("a") == 6
+    assert [r.session for r in make_workload(7, sessions=3, vocab=VOCAB).requests] == \
+        ["s0", "s1", "s2", "s0", "s1", "s2", "s0"]
+
+
 def test_length_specs_parse_and_bad_ones_say_what_to_write():
     assert LengthDist.parse("64").sample(np.random.default_rng(0)) == 64
     assert LengthDist.parse("fixed:8") == LengthDist("fixed", 8)

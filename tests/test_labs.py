@@ -31,7 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 labs_script = load_script("labs")
 
 LABS = [p.stem for p in labs_script.lab_sources()]
-MISTAKES = labs_script.corpus()
+CORPUS = labs_script.corpus()
+MISTAKES = [m for m in CORPUS if not m.correct]
+CORRECT = [m for m in CORPUS if m.correct]
 # what a blank stub makes each lab's first public check say
 STUB_MESSAGE = {
     "lab1_fcfs": "FCFSLab.key is still the stub",
@@ -49,12 +51,16 @@ def test_there_are_six_labs_and_a_capstone():
     assert set(STUB_MESSAGE) == set(LABS)
 
 
-def test_every_lab_has_a_corpus_of_at_least_four_typical_mistakes():
+def test_every_lab_has_a_corpus_of_at_least_four_typical_mistakes_and_a_correct_one():
     for lab in LABS:
         mistakes = [m for m in MISTAKES if m.lab == lab]
         assert len(mistakes) >= 4, (lab, [m.name for m in mistakes])
         for m in mistakes:
             assert m.expect, f"{lab}/{m.name}.py has no '# expect:' line"
+        # written otherwise than the solution: proves the checks give no false failure
+        assert [m for m in CORRECT if m.lab == lab], f"{lab} has no '# correct:' submission"
+    for m in CORRECT:
+        assert not m.expect, f"{m.lab}/{m.name}.py is marked correct and expects messages"
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +87,16 @@ def _score(result) -> tuple[float, float]:
 @pytest.mark.parametrize("lab", LABS)
 def test_the_solution_scores_full_marks_under_otter_run(otter_graded, lab):
     result = otter_graded[f"{lab}/solution"]
+    failed = [m for q in result["questions"].values() for m in q["failed"]]
+    score, possible = _score(result)
+    assert possible > 0 and score == possible and not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize("submission", CORRECT, ids=[f"{m.lab}/{m.name}" for m in CORRECT])
+def test_each_correct_submission_written_otherwise_scores_full_marks(otter_graded, submission):
+    """No false failure: a correct piece written differently from the solution (a heap,
+    per-session queues, table-driven gates, a round robin in the capstone) earns every point."""
+    result = otter_graded[f"{submission.lab}/{submission.name}"]
     failed = [m for q in result["questions"].values() for m in q["failed"]]
     score, possible = _score(result)
     assert possible > 0 and score == possible and not failed, "\n".join(failed)
@@ -193,3 +209,105 @@ def test_the_padded_lab_shows_the_mixed_workload_crash():
 
     said = padded.the_crash()
     assert "mixed-workload crash" in said and "Size it from mask.shape[1]" in said, said
+
+
+# ------------------------------------------------------------------ the instructor's secret
+SECRETS = ["autumn-2026", "7", "a class of its own"]
+
+
+def _cell_namespace(lab: str, code: str | None = None) -> dict:
+    """The source notebook's cells up to its graded one run in a fresh namespace (the
+    imports a student's cell relies on), then the graded cell: the solution as written in
+    the source, or `code` (a corpus submission). No otter: the hidden checks are called
+    directly, which proves for each secret what the autograder's hidden tests would."""
+    import nbformat
+
+    nb = nbformat.read(labs_script.SOURCES / f"{lab}.ipynb", as_version=4)
+    cells = [c.source for c in nb.cells if c.cell_type == "code"]
+    graded = next(i for i, src in enumerate(cells) if "BEGIN SOLUTION NO PROMPT" in src)
+    env: dict = {"__name__": "__main__"}
+    for src in cells[:graded] + [code if code is not None else cells[graded]]:
+        exec(compile(src, f"{lab} cell", "exec"), env)
+    return env
+
+
+def _mistake(lab: str, name: str) -> dict:
+    found = [m for m in MISTAKES if m.lab == lab and m.name == name]
+    assert found, f"no corpus file {lab}/{name}.py"
+    return _cell_namespace(lab, found[0].code)
+
+
+def _hidden(lab: str, env: dict, secret: str, answers=None) -> None:
+    """What the lab's hidden tests add, drawn from `secret` (the units they rerun first)."""
+    from minserve.labs import blocks, capstone, chunked, gates, vtc
+
+    if lab == "lab2_gates":
+        gates.check_units(env["check_queue_capacity"], env["check_kv_budget"],
+                          env["check_block_pool"], secret=secret)
+    elif lab == "lab3_vtc":
+        vtc.check_units(env["VTCLab"], secret=secret)
+        vtc.check_bound(env["VTCLab"], seeds=vtc.hidden_seeds(secret))
+    elif lab == "lab5_blocks":
+        blocks.check_units(env["BlockManagerLab"], secret=secret)
+    elif lab == "lab6_chunked":
+        chunked.check_measure(env["next_chunk"], env["measure"], answers=answers,
+                              **chunked.hidden_runs(secret))
+    elif lab == "lab7_capstone":
+        capstone.check_contract(env["MyPolicy"], seed=capstone.hidden_seed(secret, "c0"), n=30)
+
+
+# per lab, the corpus submissions that only the secret-drawn hidden inputs catch
+HOLES = {
+    "lab2_gates": ["g3_hard_on_blocks_needed", "g3_holds_only_when_pool_empty"],
+    "lab3_vtc": ["lift_over_every_session", "empty_queue_lift_to_least",
+                 "empty_queue_lift_to_last_arrival", "tie_break_by_session_name"],
+    "lab5_blocks": ["walk_skips_a_missing_block", "walk_collects_every_cached_block"],
+    "lab6_chunked": ["ttft_counts_the_chunks", "ttft_from_admission"],
+    "lab7_capstone": ["peek_caches_the_head", "aging_beats_priority", "iter_in_arrival_order"],
+}
+
+
+@pytest.mark.parametrize("lab", sorted(HOLES))
+def test_the_solution_passes_and_the_holes_fail_for_several_secrets(lab):
+    """Hidden tests that stay hidden in an open repository: whatever secret the instructor
+    builds the autograder with, the solution and the correct corpus submissions pass the
+    hidden checks, and every submission of a hole fails them. (The engine-heavy labs 6
+    and 7 with two secrets, to keep this cheap.)"""
+    from minserve.labs.common import LabCheckFailed
+
+    solution = _cell_namespace(lab)
+    correct = [_cell_namespace(lab, m.code) for m in CORRECT if m.lab == lab]
+    secrets = SECRETS[:2] if lab in ("lab6_chunked", "lab7_capstone") else SECRETS
+    answers = (lambda trace, rid: solution["measure"](trace, rid)) if lab == "lab6_chunked" else None
+    for secret in secrets:
+        for env in [solution, *correct]:
+            _hidden(lab, env, secret, answers)
+        for name in HOLES[lab]:
+            with pytest.raises(LabCheckFailed):
+                _hidden(lab, _mistake(lab, name), secret, answers)
+                print(f"{lab}/{name} passed the hidden checks with secret {secret!r}")
+
+
+def test_the_secret_reaches_the_autograder_and_only_it(tmp_path):
+    """`scripts/labs.py build --secret S` writes S into the hidden tests of the autograder
+    (its tests folder and its zip); the student version holds neither S nor the hidden
+    tests; two secrets draw different hidden inputs."""
+    import zipfile
+
+    from minserve.labs import capstone, chunked
+
+    secret = "spring-2027 \"quoted\""
+    lab = "lab6_chunked"
+    d = labs_script.build(tmp_path, labs=[labs_script.SOURCES / f"{lab}.ipynb"],
+                          secret=secret)[lab]
+    hidden = "".join(p.read_text() for p in (d / "autograder" / "tests").glob("*.py"))
+    assert f"hidden_runs({secret!r})" in hidden and "__LAB_SECRET__" not in hidden
+    with zipfile.ZipFile(labs_script.autograder_zip(d)) as z:
+        assert any(repr(secret) in z.read(n).decode(errors="replace") for n in z.namelist()
+                   if n.endswith(".py"))
+    student = "".join(p.read_text() for p in (d / "student").rglob("*") if p.is_file())
+    assert "spring-2027" not in student and "__LAB_SECRET__" not in student
+    # the source (public) keeps only the placeholder
+    assert "spring-2027" not in (labs_script.SOURCES / f"{lab}.ipynb").read_text()
+    assert chunked.hidden_runs("a") != chunked.hidden_runs("b")
+    assert capstone.hidden_seed("a", "workload") != capstone.hidden_seed("b", "workload")

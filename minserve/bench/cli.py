@@ -46,7 +46,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="N | fixed:N | uniform:A:B | lognormal:MEDIAN:SIGMA[:LO:HI] | chat")
     w.add_argument("--output-len", default="chat", help="same forms as --prompt-len")
     w.add_argument("--sessions", default=None,
-                   help="K (equal sessions) or NAME=WEIGHT,... (rate split by weight)")
+                   help="K (equal sessions) or NAME=WEIGHT,... (requests and rate shared by weight)")
     w.add_argument("--shared-prefix", type=int, default=0,
                    help="every prompt starts with the same N tokens (a system prompt)")
     w.add_argument("--prompts", choices=["text", "ids"], default="text",

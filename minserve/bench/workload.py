@@ -136,6 +136,23 @@ def parse_sessions(spec: str | int | None) -> list[tuple[str, float]]:
     return out
 
 
+def weighted_turns(sessions: list[tuple[str, float]], n: int) -> list[str]:
+    """Who sends each of `n` requests when there are no arrival times to merge (all at
+    t=0, or a closed loop): the sessions take turns in proportion to their weights, spread
+    out (smooth weighted round robin), so 'alice=3,bob=1' gives alice 3 of every 4
+    requests. Equal weights: strictly in turn, s0, s1, s2, s0, ..."""
+    total = sum(w for _, w in sessions)
+    current = [0.0] * len(sessions)
+    turns = []
+    for _ in range(n):
+        for k, (_, w) in enumerate(sessions):
+            current[k] += w
+        k = max(range(len(sessions)), key=current.__getitem__)  # the first on a tie
+        current[k] -= total
+        turns.append(sessions[k][0])
+    return turns
+
+
 # ------------------------------------------------------------------ prompts
 WORDS = ("the a an of to in on for with about after before under over model token batch "
          "request queue cache block stream server client fair policy prompt answer question "
@@ -212,8 +229,9 @@ def make_workload(num_requests: int, *, rate: float = math.inf, burstiness: floa
     """Build a deterministic workload (same arguments -> same requests, bit for bit).
 
     rate: total requests/s over all sessions (inf: all arrive at t=0), split by
-    session weight; each session has its own arrival process. concurrency: a
-    closed loop instead (rate is then ignored). tokenizer: prompts are text
+    session weight; each session has its own arrival process. At rate inf and in
+    a closed loop the requests are shared out by weight too (`weighted_turns`).
+    concurrency: a closed loop instead (rate is then ignored). tokenizer: prompts are text
     through it; None: random ids in `vocab`. shared_prefix: every prompt starts
     with the same this-many tokens (a system prompt; exercises prefix caching).
     max_model_len: clip prompt + output to fit.
@@ -224,10 +242,9 @@ def make_workload(num_requests: int, *, rate: float = math.inf, burstiness: floa
     total_w = sum(w for _, w in sess)
 
     # Who arrives when: each session its own process; merge; the first N by time.
-    if concurrency is not None:
-        order = [(None, sess[i % len(sess)][0]) for i in range(num_requests)]
-    elif math.isinf(rate):
-        order = [(0.0, sess[i % len(sess)][0]) for i in range(num_requests)]
+    if concurrency is not None or math.isinf(rate):  # no times to merge: turns by weight
+        at = None if concurrency is not None else 0.0
+        order = [(at, name) for name in weighted_turns(sess, num_requests)]
     else:
         merged = []
         for k, (name, w) in enumerate(sess):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..engine import Engine
 from ..kv_cache import BlockManager, NoFreeBlocksError
 from ..sampling import SamplingParams
-from .common import drain, fail, stock_tokens, student, tiny_engine
+from .common import drain, fail, secret_rng, stock_tokens, student, tiny_engine
 from .guard import guarded_check
 
 WHERE = ("docs/kv_cache.md (K1-K3: chained hashes, reference counts, LRU eviction) and notebook "
@@ -73,6 +73,12 @@ def check_prefix_reuse(cls) -> None:
     if _call(bm, "allocate_prompt", "a", a) != 0:
         fail("the very first prompt found cached tokens in an empty pool",
              f"BlockManagerLab._cached_blocks; {WHERE}")
+    fresh = [bm.blocks[b].ref_count for b in bm.block_table("a")]
+    if fresh != [1] * len(fresh):
+        fail(f"a's first prompt took new blocks {bm.block_table('a')} with ref counts {fresh}, "
+             "expected 1 each: a block _take_block hands out is held by one table (ref_count "
+             "1), whether it came from the free list or was evicted",
+             f"BlockManagerLab._take_block; {WHERE}")
     bm.mark_computed("a", a, len(a))
     hit = _call(bm, "allocate_prompt", "b", sys_prompt + [30, 31])
     if hit != 8:
@@ -203,9 +209,48 @@ def check_in_engine(cls, questions=((1, 2, 3), (4, 5), (6, 7, 8, 9), (10,)), max
     return stats
 
 
-def check_units(cls) -> None:
-    """Every unit check, public and hidden: what each hidden test runs first, so a test that
-    cannot see a bug in a method gives no credit for it."""
+@guarded_check(20, reference, WHERE)
+def check_chain_with_gap(cls, secret: str | int = 0) -> None:
+    """A cached chain with a gap: one of its blocks was evicted (the head, or one in the
+    middle) while later ones are still cached. The walk stops at the first missing block:
+    a later block's KV was computed after the missing one, which is gone, so reusing it
+    would pair it with new KV for the gap (and a `continue` there hands out blocks out of
+    order). Sizes and the gap are drawn from the instructor's secret."""
+    rng = secret_rng(secret, "lab5/gap")
+    size, k = rng.choice([2, 3, 4]), rng.randint(3, 6)
+    bm = _bm(cls, num_blocks=k + 6, block_size=size)
+    start = rng.randint(1, 150)
+    prompt = list(range(start, start + k * size + 1))  # k full blocks + 1 token
+    _call(bm, "allocate_prompt", "a", prompt)
+    bm.mark_computed("a", prompt, len(prompt))
+    table = bm.block_table("a")
+    _call(bm, "free", "a")
+    invariants(bm, "free('a')")
+    gap = rng.randint(0, k - 2)  # block `gap` evicted; a later one stays cached
+    block = bm.blocks[table[gap]]
+    del bm._evictable[block.block_id], bm._hash_to_block[block.block_hash]
+    block.block_hash, block.num_tokens = None, 0
+    bm._free.append(block.block_id)  # what an eviction of that one block leaves
+    hit = _call(bm, "cached_prefix_len", prompt)
+    if hit != gap * size:
+        fail(f"a's {k} full blocks of {size} tokens were cached, then block {gap} of its chain "
+             f"was evicted (blocks {gap + 1}..{k - 1} are still cached); the same prompt "
+             f"reuses {hit} tokens, expected {gap * size} (the blocks before the gap): stop "
+             "the walk at the first block that is not cached (break, not continue); a later "
+             "block is only valid after its whole chain", f"BlockManagerLab._cached_blocks; {WHERE}")
+    got = _call(bm, "allocate_prompt", "b", prompt)
+    invariants(bm, "allocate_prompt('b') on a chain with a gap")
+    if got != gap * size or bm.block_table("b")[:gap] != table[:gap]:
+        fail(f"allocate_prompt('b') on the chain with a gap at block {gap} reused {got} tokens "
+             f"(table {bm.block_table('b')}), expected the {gap} blocks before the gap "
+             f"{table[:gap]}", f"BlockManagerLab._cached_blocks; {WHERE}")
+
+
+def check_units(cls, secret: str | int = 0) -> None:
+    """Every unit check, public and hidden (a chain with a gap, from the instructor's
+    secret): what each hidden test runs first, so a test that cannot see a bug in a
+    method gives no credit for it."""
     check_prefix_reuse(cls)
     check_free_and_lru(cls)
     check_shared_free(cls)
+    check_chain_with_gap(cls, secret)

@@ -15,7 +15,7 @@ from ..bench.workload import Workload, make_workload
 from ..fair import FairPolicy
 from ..policies import FCFSPolicy, Policy
 from ..sampling import SamplingParams
-from .common import admission_order, drain, fail, make_req, student, tiny_engine
+from .common import admission_order, drain, fail, make_req, secret_rng, student, tiny_engine
 from .fcfs import use_policy
 from .guard import guarded_check
 
@@ -31,61 +31,180 @@ def reference():
 
 
 def workload(seed: int = 0, n: int = 32, sessions: str = "alice=3,bob=1,carol=1") -> Workload:
-    """Everyone at once (rate inf), mixed lengths, a heavy session: the policy decides."""
+    """Everyone at once (rate inf), mixed lengths, a heavy session (its weight is its share
+    of the requests, several in a row): the policy decides, and FCFS's order is nobody's
+    goal."""
     return make_workload(n, rate=math.inf, prompt_len="uniform:4:40", output_len="uniform:2:24",
                          sessions=sessions, seed=seed, vocab=(1, 255))
 
 
+def _where(method: str) -> str:
+    return f"MyPolicy.{method}; {WHERE}"
+
+
+def _ids(reqs) -> list[str]:
+    return [getattr(r, "request_id", r) for r in reqs]
+
+
+def _look(p, waiting: list, when: str):
+    """What the scheduler and the queue figures read, checked against who really waits:
+    len, iter (the same requests, the head first: admission order, docs/policies.md),
+    peek (only looks, stable, the highest priority tier first)."""
+    size = student(len, p, name="__len__", where=WHERE)
+    if size != len(waiting):
+        fail(f"{when}: {len(waiting)} requests wait but len() is {size}", _where("__len__"))
+    listed = student(list, p, name="__iter__", where=WHERE)
+    if sorted(_ids(listed)) != sorted(_ids(waiting)):
+        fail(f"{when}: iter() lists {sorted(_ids(listed))}, but the requests waiting are "
+             f"{sorted(_ids(waiting))}", _where("__iter__"))
+    head = student(p.peek_next, name="peek_next", where=WHERE)
+    if head is None:
+        fail(f"{when}: peek_next returned None while {len(waiting)} requests wait",
+             _where("peek_next"))
+    if len(p) != size:
+        fail(f"{when}: peek_next changed the queue (len {size} -> {len(p)}): peek only looks; "
+             "the scheduler peeks, may hold the head where it is (G4), and picks later",
+             _where("peek_next"))
+    if p.peek_next() is not head:
+        fail(f"{when}: two peek_next calls in a row returned different requests "
+             f"({head.request_id}, then another): peek must be stable", _where("peek_next"))
+    top = max(r.priority for r in waiting)
+    if head.priority != top:
+        fail(f"{when}: peek_next chose {head.request_id} (priority {head.priority}) while a "
+             f"request of priority {top} waits: a higher priority tier always goes first (P1), "
+             "however long the others have waited; make -priority the first element of your "
+             "key (aging only within a tier), and let every arrival count at the next peek",
+             _where("key"))
+    if listed[0] is not head:
+        fail(f"{when}: iter() lists {_ids(listed)[:4]}... but peek_next returns "
+             f"{head.request_id}: __iter__ must yield the waiting requests in admission order "
+             "(docs/policies.md), the head first; the queue figures and TickRecord.queues "
+             "read it", _where("__iter__"))
+    return head
+
+
+def _pick(p, waiting: list, when: str):
+    before = len(p)
+    head = student(p.peek_next, name="peek_next", where=WHERE)
+    picked = student(p.pick_next, name="pick_next", where=WHERE)
+    if picked is not head:
+        fail(f"{when}: pick_next returned {_ids([picked])[0]} but peek_next had returned "
+             f"{head.request_id}: the scheduler admits what it peeked", _where("pick_next"))
+    after = len(p)
+    if after == before:
+        fail(f"{when}: pick_next returned {picked.request_id} but did not remove it (len stays "
+             f"{before}): pick must remove what it returns, or it is admitted again and again",
+             _where("pick_next"))
+    if after != before - 1:
+        fail(f"{when}: pick_next returned {picked.request_id} and len went {before} -> {after}: "
+             "it must remove exactly the one it returns (if it calls remove, remove takes out "
+             "exactly that request)", f"MyPolicy.pick_next / remove; {WHERE}")
+    if any(r is picked for r in p):
+        fail(f"{when}: pick_next returned {picked.request_id}, len dropped by one, but iter() "
+             "still lists it (and lost another one)", _where("pick_next"))
+    waiting.remove(picked)
+    return picked
+
+
+def _remove(p, waiting: list, victim, when: str) -> None:
+    before = len(p)
+    student(p.remove, victim, name="remove", where=WHERE)
+    if len(p) != before - 1:
+        fail(f"{when}: after remove({victim.request_id}) len went {before} -> {len(p)}, expected "
+             f"{before - 1}: remove takes out exactly that request", _where("remove"))
+    if any(r is victim for r in p):
+        fail(f"{when}: after remove({victim.request_id}) len is {before - 1} as expected, but "
+             f"iter() still lists {victim.request_id} (another request went instead)",
+             _where("remove"))
+    waiting.remove(victim)
+
+
 @guarded_check(30, reference, WHERE)
 def check_contract(cls, seed: int = 0, n: int = 20) -> None:
-    """The hooks any policy must honour: every arrival comes out exactly once; peek is
-    stable and pick returns and removes it; remove takes out exactly one; len and iter
-    agree; a higher priority tier always goes first (P1). Bounded: a queue that never
-    empties is a message, not a hang."""
+    """The hooks any policy must honour, with arrivals interleaved with peeks and picks (as
+    the engine calls them): every arrival comes out exactly once; peek only looks, is
+    stable, and counts every arrival so far; pick returns and removes it; remove takes out
+    exactly one; len and iter describe the waiting requests, iter in admission order (the
+    head first); a higher priority tier always goes first (P1). Then a high-priority
+    request arrives after low ones waited through many admissions: it goes first all the
+    same. Bounded: a queue that never empties is a message, not a hang."""
     rng = random.Random(seed)
     reqs = [make_req(i, rng.choice("abc"), prompt=rng.randint(1, 30), out=rng.randint(1, 20),
                      priority=rng.choice([0, 0, 0, 1])) for i in range(n)]
     p = student(cls, name="MyPolicy()", where=WHERE)
-    for r in reqs:
+    _peek_sees_arrivals(cls, n)
+    waiting, out = [], []
+    gone = None
+    for i, r in enumerate(reqs):
         student(p.on_request_arrived, r, name="on_request_arrived", where=WHERE)
-    listed = student(list, p, name="__iter__ (in the order of your key)", where=WHERE)
-    if len(p) != n or sorted(r.request_id for r in listed) != sorted(r.request_id for r in reqs):
-        fail(f"after {n} arrivals len() is {len(p)} and iter() lists "
-             f"{len(listed)} requests: both must describe exactly the waiting requests",
-             f"MyPolicy.__len__ / __iter__; {WHERE}")
-    student(p.remove, reqs[3], name="remove", where=WHERE)
-    if len(p) != n - 1 or any(r is reqs[3] for r in p):
-        fail(f"after remove({reqs[3].request_id}) len() is {len(p)} (expected {n - 1}) or the "
-             "queue still lists it", f"MyPolicy.remove; {WHERE}")
-    out = []
-    for _ in range(n - 1):
-        if not len(p):
-            break
-        head = student(p.peek_next, name="peek_next", where=WHERE)
-        if head is None or head is not p.peek_next():
-            fail("peek_next returned None with requests waiting, or changed between two calls",
-                 f"MyPolicy.peek_next; {WHERE}")
-        top = max(r.priority for r in p)
-        if head.priority != top:
-            fail(f"peek_next chose {head.request_id} (priority {head.priority}) while a request "
-                 f"of priority {top} waits: a higher priority tier always goes first (P1); "
-                 "make -priority the first element of your key", f"MyPolicy.key; {WHERE}")
-        before = len(p)
-        picked = student(p.pick_next, name="pick_next", where=WHERE)
-        if picked is not head:
-            fail("pick_next did not return what peek_next returned", f"MyPolicy.pick_next; {WHERE}")
-        if len(p) != before - 1 or any(r is picked for r in p):
-            fail(f"pick_next returned {picked.request_id} but the queue still holds it (len "
-                 f"{before} -> {len(p)}): pick must remove what it returns",
-                 f"MyPolicy.pick_next; {WHERE}")
+        waiting.append(r)
+        _look(p, waiting, f"after {i + 1} arrivals and {len(out)} picks")
+        if gone is None and len(waiting) >= 3 and i >= n // 3:
+            gone = rng.choice(waiting[1:])
+            _remove(p, waiting, gone, f"after {i + 1} arrivals")
+            if waiting:
+                _look(p, waiting, f"after remove({gone.request_id})")
+        if rng.random() < 0.4 and waiting:
+            picked = _pick(p, waiting, f"after {i + 1} arrivals and {len(out)} picks")
+            p.on_tokens_processed(picked, picked.prompt_len, 1)
+            out.append(picked.request_id)
+            if rng.random() < 0.5:
+                p.on_request_finished(picked)
+    while waiting:
+        _look(p, waiting, f"after every arrival, {len(out)} picks")
+        picked = _pick(p, waiting, f"after every arrival, {len(out)} picks")
         p.on_tokens_processed(picked, picked.prompt_len, 1)
         out.append(picked.request_id)
-        if rng.random() < 0.5:
-            p.on_request_finished(picked)
-    want = sorted(r.request_id for r in reqs if r is not reqs[3])
+    want = sorted(r.request_id for r in reqs if r is not gone)
     if sorted(out) != want or len(p):
         fail(f"the queue gave out {len(out)} requests, expected each of the {len(want)} left after "
-             "one remove exactly once", f"MyPolicy; {WHERE}")
+             "one remove exactly once", _where("pick_next"))
+    _late_high_priority(cls, rng)
+
+
+def _peek_sees_arrivals(cls, n: int) -> None:
+    """Peek, then a higher-priority request arrives: the next peek returns it (any policy
+    must: P1), not the answer of the peek before."""
+    p = student(cls, name="MyPolicy()", where=WHERE)
+    low, high = make_req(n + 1, "a", prompt=5, out=5), make_req(n + 2, "b", prompt=30, out=20,
+                                                                priority=1)
+    student(p.on_request_arrived, low, name="on_request_arrived", where=WHERE)
+    first = student(p.peek_next, name="peek_next", where=WHERE)
+    student(p.on_request_arrived, high, name="on_request_arrived", where=WHERE)
+    second = student(p.peek_next, name="peek_next", where=WHERE)
+    if second is not high:
+        listed = student(list, p, name="__iter__", where=WHERE)
+        # iter already puts the newcomer first: peek kept an answer from before it arrived
+        stale = second is first and listed[:1] == [high]
+        fail(f"{low.request_id} (priority 0) arrived and peek_next returned "
+             f"{_ids([first])[0]}; then {high.request_id} (priority 1) arrived and peek_next "
+             f"returned {_ids([second])[0]}" + (
+                 ", its answer before that arrival, although iter() lists "
+                 f"{high.request_id} first. A head remembered from an earlier peek goes "
+                 "stale; let every arrival count at the next peek" if stale else
+                 ": a higher priority tier always goes first (P1); make -priority the first "
+                 "element of your key"), _where("peek_next" if stale else "key"))
+
+
+def _late_high_priority(cls, rng: random.Random, rounds: int = 40) -> None:
+    """A backlog of priority-0 requests waits through `rounds` admissions, then a long
+    priority-1 request arrives: it is the next head (P1), however long the others aged."""
+    p = student(cls, name="MyPolicy()", where=WHERE)
+    seq = iter(range(rng.randint(0, 100), 100_000))
+    waiting = [make_req(next(seq), rng.choice(["ann", "ben", "cat"]), prompt=rng.randint(2, 30),
+                        out=rng.randint(2, 16)) for _ in range(rounds + 10)]
+    for r in waiting:
+        student(p.on_request_arrived, r, name="on_request_arrived", where=WHERE)
+    for k in range(rounds):
+        picked = _pick(p, waiting, f"a backlog of {rounds + 10} priority-0 requests, after {k} "
+                                   "admissions")
+        p.on_tokens_processed(picked, picked.prompt_len, picked.max_tokens)
+        p.on_request_finished(picked)
+    high = make_req(next(seq), "vip", prompt=40, out=24, priority=1)
+    student(p.on_request_arrived, high, name="on_request_arrived", where=WHERE)
+    waiting.append(high)
+    _look(p, waiting, f"a priority-1 request ({high.request_id}, 40 + 24 tokens) arrived after "
+                      f"{len(waiting) - 1} priority-0 ones waited through {rounds} admissions")
 
 
 @guarded_check(30, reference, WHERE)
@@ -153,14 +272,29 @@ def check_serves(cls, seed: int = 0, sessions: str = "alice=3,bob=1,carol=1",
     check_contract(cls, seed)
     # a broken policy fails here, tick by tick, never hangs
     order = serve_step_mode(cls, load)
-    # every request is queued before the first tick, all of priority 0: FCFS admits them
-    # in arrival order
-    if order == list(range(len(load.requests))):
-        fail(f"on the workload (seed {seed}) your policy admitted the {len(order)} requests in "
-             "exactly FCFS's order: the key changes nothing (a constant key, or arrival order "
-             "alone). Order by what your goal needs (length, session, deadline, ...)",
-             f"MyPolicy.key; {WHERE}")
+    if order == fcfs_order(load):
+        names = ", ".join(f"{k} x{w:g}" for k, w in load.settings["sessions"].items())
+        fail(f"on the workload (seed {seed}: {len(order)} requests at once, prompts of "
+             f"{min(r.prompt_len for r in load.requests)}-{max(r.prompt_len for r in load.requests)}"
+             f" tokens, sessions {names}, the heavy one sending several in a row) your policy "
+             "admitted them in exactly FCFS's order. Here any goal changes that order: shorter "
+             "jobs first would move the short ones up, a fair share would let the light "
+             "sessions in between the heavy one's requests, a deadline would move the urgent "
+             "ones up. Your key changes nothing (a constant key, or arrival order alone): make "
+             "it order by what your stated goal needs", f"MyPolicy.key; {WHERE}")
     return order
+
+
+def fcfs_order(load: Workload, max_batch_size: int = 4) -> list[int]:
+    """The admission order FCFS gives the workload in step mode (positions in it): every
+    request is queued before the first tick, all of priority 0, so FCFS admits them in
+    arrival order. A policy with any goal of its own admits these requests otherwise."""
+    return sorted(range(len(load.requests)), key=lambda i: (0, i))
+
+
+def hidden_seed(secret: str | int, label: str) -> int:
+    """A seed for the autograder's unseen workload or arrivals: the instructor's secret."""
+    return secret_rng(secret, f"lab7/{label}").randrange(1, 1 << 30)
 
 
 @guarded_check(120, reference, WHERE)

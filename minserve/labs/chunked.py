@@ -12,7 +12,7 @@ from ..engine import Engine
 from ..request import Request
 from ..sampling import SamplingParams
 from ..scheduler import Scheduler
-from .common import drain, fail, make_req, stock_tokens, student, tiny_engine
+from .common import drain, fail, make_req, secret_rng, stock_tokens, student, tiny_engine
 from .guard import guarded_check
 
 WHERE = ("docs/scheduler.md (chunked prefill, C1), the tick records in minserve/records.py "
@@ -73,12 +73,17 @@ def check_schedule(next_chunk) -> None:
                  "chunk_size tokens (None: all the rest)", f"next_chunk; {WHERE}")
 
 
-def run(next_chunk, chunk: int, long_len: int = 96, short=3, max_tokens: int = 8):
+def run(next_chunk, chunk: int, long_len: int = 96, short=3, max_tokens: int = 8,
+        held: int = 0):
     """`short` decoding rows, then one `long_len`-token prompt arriving at tick 2, on an
-    engine with chunk size `chunk` (0: monolithic) and the student's schedule."""
-    engine = use_chunk_schedule(tiny_engine(max_batch_size=short + 1, prefill_chunk_size=chunk,
+    engine with chunk size `chunk` (0: monolithic) and the student's schedule. With
+    `held` > 0 the batch has no free row when the long prompt arrives: it waits in
+    `pending` until the first short row finishes, about `held` ticks later."""
+    engine = use_chunk_schedule(tiny_engine(max_batch_size=short + (not held),
+                                            prefill_chunk_size=chunk,
                                             enable_prefix_caching=False), next_chunk)
-    shorts = [engine.submit([5 + i, 6, 7], SamplingParams(max_tokens=2 * max_tokens))
+    shorts = [engine.submit([5 + i, 6, 7], SamplingParams(
+                  max_tokens=held + 1 if held and i == 0 else 2 * max_tokens + held))
               for i in range(short)]
     drain(engine, WHERE, ticks=1)
     long = engine.submit(list(range(1, long_len + 1)), SamplingParams(max_tokens=max_tokens))
@@ -117,24 +122,39 @@ PUBLIC_ANSWERS = {0: {"max_prompt_tokens_per_tick": 96, "ttft_ticks": 1},
 
 @guarded_check(60, reference, WHERE)
 def check_measure(next_chunk, measure, chunks=(0, 16, 32),
-                  answers: dict | Callable | None = None) -> list[dict]:
+                  answers: dict | Callable | None = None, long_len: int = 96,
+                  held: int = 0) -> list[dict]:
     """The student's measurement equals the right answer on runs with several chunk sizes:
     `answers` maps a chunk size to it, or is a function of (trace, request id) (the
     autograder's hidden test brings one); by default the public answers above (a chunk
-    size they lack is measured, not checked). Returns one row per chunk size."""
+    size they lack is measured, not checked). With `held`, the measured request first
+    waits in `pending` (see `run`). Returns one row per chunk size."""
     answers = PUBLIC_ANSWERS if answers is None else answers
     check_schedule(next_chunk)
     rows = []
     for chunk in chunks:
-        engine, handles = run(next_chunk, chunk)
+        engine, handles = run(next_chunk, chunk, long_len=long_len, held=held)
         long_id = handles[-1].request_id
         got = student(measure, engine.trace, long_id, name="measure", where=WHERE)
         want = answers(engine.trace, long_id) if callable(answers) else answers.get(chunk)
         if want is not None and (not isinstance(got, dict) or dict(got) != want):
-            fail(f"chunk_size={chunk}: measure(trace, {long_id!r}) returned {got!r}, expected "
-                 f"{want}. max_prompt_tokens_per_tick: the largest sum of (end - start) over a "
-                 "tick's rec.prefill.chunks; ttft_ticks: ticks from the one where the request "
-                 "first appears (counted) to the one whose chunk has its first_token",
-                 f"measure; {WHERE}")
+            waited = sum(long_id in rec.queues["pending"] for rec in engine.trace)
+            story = (f"the {long_len}-token prompt arrived while every batch row was busy and "
+                     f"waited {waited} tick(s) in pending before its first chunk; " if held
+                     else "")
+            fail(f"chunk_size={chunk}: {story}measure(trace, {long_id!r}) returned {got!r}, "
+                 f"expected {want}. max_prompt_tokens_per_tick: the largest sum of (end - "
+                 "start) over a tick's rec.prefill.chunks; ttft_ticks: ticks from the one "
+                 "where the request first appears, in any queue (counted; waiting in pending "
+                 "counts), to the one whose chunk has its first_token", f"measure; {WHERE}")
         rows.append({"chunk_size": chunk or "monolithic", **got})
     return rows
+
+
+def hidden_runs(secret: str | int, n_chunks: int = 2) -> dict:
+    """The arguments of the autograder's held-in-pending measurement, drawn from the
+    instructor's secret: `n_chunks` chunk sizes (one may be monolithic), the prompt's
+    length and how long it waits for a row."""
+    rng = secret_rng(secret, "lab6/held")
+    chunks = tuple(rng.sample([0, 8, 12, 16, 24, 40], 2))[:n_chunks]
+    return {"chunks": chunks, "long_len": rng.randint(40, 90), "held": rng.randint(2, 5)}

@@ -87,8 +87,15 @@ def check_hooks(cls, seed: int = 0, n: int = 8) -> None:
     gone = expect[n // 2]
     student(policy.remove, gone, name="remove", where=WHERE)
     expect.remove(gone)
-    if len(policy) != n - 1 or any(r is gone for r in policy):
-        fail(f"after remove({gone.request_id}) the queue still holds it or lost another one",
+    left = [r.request_id for r in policy]
+    if gone.request_id in left:
+        fail(f"after remove({gone.request_id}) the queue still lists it: {left}",
+             f"FCFSLab.remove; {WHERE}")
+    if len(policy) != n - 1 or left != [r.request_id for r in expect]:
+        lost = sorted({r.request_id for r in expect} - set(left))
+        fail(f"after remove({gone.request_id}) len() is {len(policy)} (expected {n - 1}) and "
+             f"the queue lists {left}: remove took out {', '.join(lost) or 'nothing else'} "
+             "too; it must take out exactly the request it is given",
              f"FCFSLab.remove; {WHERE}")
     got = []
     for _ in range(n - 1):

@@ -10,7 +10,7 @@ from .. import gates as core_gates
 from ..engine import Engine
 from ..request import Rejection
 from ..sampling import SamplingParams
-from .common import drain, fail, student, tiny_engine
+from .common import drain, fail, secret_rng, student, tiny_engine
 from .guard import guarded_check
 
 WHERE = "the gate table in docs/gates.md (G1-G6) and notebook 05_backpressure_gates.ipynb"
@@ -182,10 +182,43 @@ def exact_fit_story(g1, g2, g3) -> None:
              f"check_kv_budget; {WHERE}")
 
 
-def check_units(g1, g2, g3) -> None:
-    """Every unit check of the three gates, public and hidden (the boundaries too): what each
-    hidden test runs first, so a test that cannot see a bug in a gate gives no credit for it."""
+@guarded_check(20, reference, WHERE)
+def check_g3_cached(g3, secret: str | int = 0) -> None:
+    """G3 as the scheduler really calls it: part of the prompt cached (blocks_needed <
+    prompt_blocks) and part of the pool in use (free_blocks < num_blocks). The hard
+    refusal looks at the prompt against the whole pool, the soft hold at what is still
+    needed against what is free; a check on another pair of numbers, or a hold only when
+    nothing is free, gets one of these wrong. The numbers are drawn from the instructor's
+    secret (each case keeps the relation that decides it, whatever the draw)."""
+    rng, name = secret_rng(secret, "lab2/g3"), "check_block_pool"
+    for _ in range(3):
+        n = rng.randint(8, 64)
+        # cached prefix, enough free for the rest but not for the whole prompt: passes
+        p = rng.randint(4, n)
+        need = rng.randint(1, p - 2)
+        free = rng.randint(need, min(p - 1, n - 1))
+        _verdict(g3, name, {"blocks_needed": need, "free_blocks": free, "prompt_blocks": p,
+                            "num_blocks": n}, None)
+        # some blocks free, but fewer than still needed: hold (soft)
+        free = rng.randint(1, n - 2)
+        need = rng.randint(free + 1, n - 1)
+        _verdict(g3, name, {"blocks_needed": need, "free_blocks": free,
+                            "prompt_blocks": rng.randint(need, n), "num_blocks": n},
+                 ("G3", "block_pool", False))
+        # a prompt bigger than the whole pool, mostly cached: refuse (hard) all the same
+        p = rng.randint(n + 1, 2 * n)
+        free = rng.randint(2, n - 1)
+        _verdict(g3, name, {"blocks_needed": rng.randint(1, free), "free_blocks": free,
+                            "prompt_blocks": p, "num_blocks": n},
+                 ("G3", "prompt_exceeds_block_pool", True))
+
+
+def check_units(g1, g2, g3, secret: str | int = 0) -> None:
+    """Every unit check of the three gates, public and hidden (the boundaries, G3 with a
+    cached prefix on a pool in use): what each hidden test runs first, so a test that
+    cannot see a bug in a gate gives no credit for it."""
     check_g1(g1)
     check_g2(g2)
     check_g3(g3)
     check_boundaries(g1, g2, g3)
+    check_g3_cached(g3, secret)

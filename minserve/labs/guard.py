@@ -21,7 +21,14 @@ import sys
 import types
 from collections.abc import Callable, Iterator, Sequence
 
-from .common import _is_engine_code, _is_library_code, fail, quiet_engine, time_limit
+from .common import (
+    _is_engine_code,
+    _is_library_code,
+    fail,
+    one_torch_thread,
+    quiet_engine,
+    time_limit,
+)
 
 
 @contextlib.contextmanager
@@ -118,9 +125,10 @@ def own_code(piece, pieces: Sequence[tuple], name: str, where: str) -> None:
 
 
 def guarded_check(seconds: float, forbid: Callable[[], Sequence] = tuple, where: str = ""):
-    """Decorate a lab check: bounded by `seconds`, engine logs quiet, the student's pieces
-    (the check's class or function arguments) checked to be their own code, and the
-    reference pieces `forbid()` names guarded while it runs (see forbid_reference)."""
+    """Decorate a lab check: bounded by `seconds`, engine logs quiet, one torch thread
+    (common.one_torch_thread), the student's pieces (the check's class or function
+    arguments) checked to be their own code, and the reference pieces `forbid()` names
+    guarded while it runs (see forbid_reference)."""
 
     def wrap(check):
         @functools.wraps(check)
@@ -130,7 +138,7 @@ def guarded_check(seconds: float, forbid: Callable[[], Sequence] = tuple, where:
                 if isinstance(arg, (type, types.FunctionType)):
                     own_code(arg, pieces, getattr(arg, "__name__", "your code"), where)
             with time_limit(seconds, check.__name__, where), quiet_engine(), \
-                    forbid_reference(pieces, where):
+                    forbid_reference(pieces, where), one_torch_thread():
                 return check(*args, **kwargs)
 
         return run

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ..fair import FairPolicy
 from ..sampling import SamplingParams
-from .common import admission_order, drain, fail, make_req, student, tiny_engine
+from .common import admission_order, drain, fail, make_req, secret_rng, student, tiny_engine
 from .fcfs import use_policy
 from .guard import guarded_check
 
@@ -127,14 +127,107 @@ def check_no_lift_while_waiting(cls) -> None:
              f"VTCLab.on_request_arrived; {WHERE}")
 
 
-def check_units(cls) -> None:
-    """Every unit check of the hooks, public and hidden: what each hidden test runs first,
-    so a test that cannot see a bug in a hook gives no credit for it."""
+def _arrive(p, req) -> None:
+    student(p.on_request_arrived, req, name="on_request_arrived", where=WHERE)
+
+
+@guarded_check(20, reference, WHERE)
+def check_several_sessions(cls, secret: str | int = 0) -> None:
+    """The lift and the tie-break with several sessions in play (the public checks use one
+    or two): a newcomer is lifted to the least counter among the sessions *waiting* now,
+    not among every session ever seen; on an empty queue, to the counter of the session
+    that left it last, as it is now (not the least, the largest or the last to arrive);
+    equal counters go in arrival order, whatever the sessions' names. Counters and names
+    are drawn from the instructor's secret."""
+    rng = secret_rng(secret, "lab3/sessions")
+    names = rng.sample(["amy", "bo", "cy", "dan", "eve", "fox", "gus", "hal", "ivy", "jo"], 6)
+    seq = iter(range(rng.randint(0, 50), 10_000))
+    where = f"VTCLab.on_request_arrived; {WHERE}"
+
+    # 1. the least *waiting* counter: `gone` was served and left, its counter is the lowest
+    p = student(cls, 1.0, 2.0, name="VTCLab(w_in, w_out)", where=WHERE)
+    gone, waiting, newcomer = names[0], names[1:4], names[4]
+    first = make_req(next(seq), gone, prompt=rng.randint(2, 9), out=2)
+    _arrive(p, first)
+    student(p.pick_next, name="VTCLab.key (via pick_next)", where=WHERE)
+    student(p.on_tokens_processed, first, first.prompt_len, 0, name="on_tokens_processed",
+            where=WHERE)
+    low = p.counters.get(gone, 0.0)
+    for s in waiting:
+        _arrive(p, make_req(next(seq), s))
+    values = rng.sample(range(int(low) + 10, int(low) + 200), len(waiting))
+    for s, v in zip(waiting, values):
+        p.counters[s] = float(v)
+    _arrive(p, make_req(next(seq), newcomer))
+    want = float(min(values))
+    if p.counters.get(newcomer) != want:
+        fail(f"{newcomer} arrived while {', '.join(f'{s} (counter {v})' for s, v in zip(waiting, values))} "
+             f"wait and {gone} (counter {low:g}) was served and waits no more; {newcomer}'s "
+             f"counter is {p.counters.get(newcomer)!r}, expected {want:g}: lift a newcomer to "
+             "the least counter among the sessions with requests waiting *now*, not among "
+             "every session seen", where)
+
+    # 2. the empty queue: the session that left it last, its counter now
+    p = student(cls, 1.0, 2.0, name="VTCLab(w_in, w_out)", where=WHERE)
+    three = names[:3]
+    arrived = rng.sample(three, 3)  # the last to arrive is not the last to leave
+    if arrived[-1] == three[-1]:
+        arrived = arrived[-1:] + arrived[:-1]
+    reqs = {s: make_req(next(seq), s) for s in arrived}
+    for s in arrived:
+        _arrive(p, reqs[s])
+    base = sorted(rng.sample(range(5, 100), 3))  # the order they will leave in
+    for s, v in zip(three, base):
+        p.counters[s] = float(v)
+    for _ in three:
+        student(p.pick_next, name="VTCLab.key (via pick_next)", where=WHERE)
+    last = three[-1]
+    # charged after leaving the queue: the first to leave is charged most, the last a bit
+    p.on_tokens_processed(reqs[three[0]], rng.randint(150, 250), 0)
+    p.on_tokens_processed(reqs[last], rng.randint(1, 20), 0)
+    newcomer = names[5]
+    _arrive(p, make_req(next(seq), newcomer))
+    want = p.counters[last]
+    if p.counters.get(newcomer) != want:
+        counters = {s: p.counters[s] for s in three}
+        fail(f"{', '.join(arrived)} arrived in that order, left the queue in the order "
+             f"{', '.join(three)}, and were charged; counters now {counters}. {newcomer} arrived "
+             f"on the empty queue: counter {p.counters.get(newcomer)!r}, expected {want:g}, the "
+             f"counter *now* of {last}, who left the queue last (not the least, the largest, "
+             "or the last to arrive)", where)
+
+    # 3. equal counters: arrival order, whatever the names
+    p = student(cls, 1.0, 2.0, name="VTCLab(w_in, w_out)", where=WHERE)
+    tied = sorted(names, reverse=True)[:4]  # names against the alphabet
+    reqs = [make_req(next(seq), s) for s in tied]
+    for r in reqs:
+        _arrive(p, r)
+    for s in tied:
+        p.counters[s] = 42.0
+    got = [student(p.pick_next, name="VTCLab.key (via pick_next)", where=WHERE).request_id
+           for _ in reqs]
+    if got != [r.request_id for r in reqs]:
+        fail(f"four sessions with equal counters (42) wait, arrived as "
+             f"{[r.request_id for r in reqs]}; pick_next gave {got}: between equal counters "
+             "the earlier arrival goes first (the key's last element: arrival_seq)",
+             f"VTCLab.key; {WHERE}")
+
+
+def hidden_seeds(secret: str | int, n: int = 60) -> list[int]:
+    """Seeds of the random traces the autograder checks the 2U bound on: the instructor's."""
+    return secret_rng(secret, "lab3/traces").sample(range(10_000, 10_000_000), n)
+
+
+def check_units(cls, secret: str | int = 0) -> None:
+    """Every unit check of the hooks, public and hidden (several sessions, inputs from the
+    instructor's secret): what each hidden test runs first, so a test that cannot see a
+    bug in a hook gives no credit for it."""
     check_charge(cls)
     check_lift(cls)
     check_empty_queue_lift(cls)
     check_priority_first(cls)
     check_no_lift_while_waiting(cls)
+    check_several_sessions(cls, secret)
 
 
 @dataclass
@@ -271,8 +364,12 @@ def check_bound(cls, seeds=range(40)) -> float:
         if gap > 2 * u + 1e-9:
             fail(f"random trace seed={seed} (batch {batch}, kv_budget {budget}, w_in={w_in}, "
                  f"w_out={w_out}): while h0 and h1 both waited their service differed by "
-                 f"{gap:g} > 2U = {2 * u:g}; the least-served session must go next (key) and "
-                 "every token must be charged", f"VTCLab.key / on_tokens_processed; {WHERE}")
+                 f"{gap:g} > 2U = {2 * u:g}. One of three things: the least-served session "
+                 "must go next (key); every token must be charged (on_tokens_processed); a "
+                 "session that (re)arrives with nothing waiting is lifted to the least counter "
+                 "among the sessions waiting now, or, on an empty queue, to the counter of the "
+                 "one that left it last (on_request_arrived)",
+                 f"VTCLab.on_request_arrived / key / on_tokens_processed; {WHERE}")
         worst = max(worst, gap / (2 * u) if u else 0.0)
     return worst
 

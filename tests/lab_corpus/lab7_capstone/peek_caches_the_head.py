@@ -1,0 +1,39 @@
+# mistake: peek_next remembers its answer until the next pick: a request that arrives after a peek is not seen
+# expect: A head remembered from an earlier peek goes stale
+# expect: where to look: MyPolicy.peek_next
+class MyPolicy(Policy):
+    name = "mine"
+
+    def __init__(self):
+        self.waiting: list[Request] = []
+        self.admitted = 0  # admissions so far: the aging clock
+
+    def key(self, req: Request):
+        # shortest job first; every admission since arrival takes 4 tokens off (aging)
+        age = self.admitted - req._arrived_at
+        return (-req.priority, req.prompt_len + req.max_tokens - 4 * age, req.arrival_seq)
+
+    def on_request_arrived(self, req: Request) -> None:
+        req._arrived_at = self.admitted
+        self.waiting.append(req)
+
+    def peek_next(self) -> Request | None:
+        if getattr(self, "_head", None) is None and self.waiting:
+            self._head = min(self.waiting, key=self.key)  # computed once, reused until picked
+        return getattr(self, "_head", None)
+
+    def pick_next(self) -> Request:
+        req = self.peek_next()
+        self.remove(req)
+        self._head = None
+        self.admitted += 1
+        return req
+
+    def remove(self, req: Request) -> None:
+        self.waiting = [r for r in self.waiting if r is not req]
+
+    def __iter__(self):
+        return iter(sorted(self.waiting, key=self.key))
+
+    def __len__(self) -> int:
+        return len(self.waiting)
