@@ -47,7 +47,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from . import execute, failures, gates, records
+from . import execute, failures, gates, records, shares
 from .admission import MODES
 from .backends.base import Backend
 from .config import EngineConfig, PrefillMode
@@ -86,7 +86,7 @@ class Scheduler:
         self.lock = threading.RLock()  # the backend lock: held for a whole tick
         self.queue_lock = threading.RLock()  # guards the policy (pending) and `requests`
         # counters for stats (G5)
-        self.kv_admit_blocked = {"G1": 0, "G2": 0, "G3": 0, "batch": 0}
+        self.kv_admit_blocked = {"G1": 0, "G2": 0, "G3": 0, "batch": 0, "share": 0}
         self.rejected = {"G1": 0, "G2": 0, "G3": 0}
         self.finished_count = 0
         self.failed_rows = 0  # rows ended by an error of their own (failure isolation)
@@ -105,14 +105,33 @@ class Scheduler:
 
     # ================================================================= entry points
     def submit(self, req: Request) -> Rejection | None:
-        """Gate G1 then enqueue. Returns the rejection (and finishes the request) if refused."""
+        """Gate G1 then enqueue. Returns the rejection (and finishes the request) if refused.
+        With shares (H6) G1 is per tenant: a full queue refuses a tenant at its share of
+        it, and makes room for one under its share by refusing the newest waiting request
+        of the tenant with the most waiting (`shares.queue_place`)."""
         with self.queue_lock:
-            rejection = self.gates.check_queue_capacity(len(self.policy), self.config.max_queue_size)
+            out = None
+            if self.config.shares == "off":
+                rejection = self.gates.check_queue_capacity(len(self.policy),
+                                                            self.config.max_queue_size)
+            else:
+                rejection, out = shares.queue_place(list(self.policy), self.prefilling + self.active,
+                                                    req, self.config.max_queue_size)
             if rejection is not None:
                 self.kv_admit_blocked["G1"] += 1
                 self.rejected["G1"] += 1
                 self._finish(req, FinishReason.ERROR, rejection=rejection)
                 return rejection
+            if out is not None:  # pushed out of a full queue by a tenant under its share
+                waiting = sum(shares.unit(r) == shares.unit(out) for r in self.policy)
+                contenders = len({shares.unit(r) for r in [*self.policy, *self.prefilling,
+                                                            *self.active, req]})
+                self.policy.remove(out)
+                self.kv_admit_blocked["G1"] += 1
+                self.rejected["G1"] += 1
+                self._finish(out, FinishReason.ERROR, rejection=shares.queue_rejection(
+                    waiting, self.config.max_queue_size / contenders,
+                    self.config.max_queue_size, contenders, "its"))
             req.status = RequestStatus.PENDING
             self.requests[req.request_id] = req
             try:
@@ -263,12 +282,20 @@ class Scheduler:
 
     def _plan_prefill(self) -> list[Piece]:
         """This tick's piece of every prefilling row, in admission order (a cancelled row
-        gets none: T3 evicts it)."""
+        gets none: T3 evicts it). With `max_prefill_tokens`, the pieces together stay
+        within it, split max-min fair between tenants, then rows (`shares.split_prompt_tokens`);
+        a row given nothing this tick gets no piece."""
         size = self.config.prefill_chunk_size or None  # None: the whole rest at once
         if self.config.prefill is PrefillMode.MONOLITHIC:
             size = None
-        return [(req, *self.next_chunk(req, size))
-                for req in list(self.prefilling) if not req.cancel_requested]
+        pieces = [(req, *self.next_chunk(req, size))
+                  for req in list(self.prefilling) if not req.cancel_requested]
+        budget = self.config.max_prefill_tokens
+        if budget is None:
+            return pieces
+        give = shares.split_prompt_tokens([r for r, _, _ in pieces],
+                                          [end - start for _, start, end in pieces], budget)
+        return [(r, start, start + g) for (r, start, _), g in zip(pieces, give) if g > 0]
 
     @staticmethod
     def next_chunk(req: Request, chunk_size: int | None) -> tuple[int, int]:
