@@ -110,28 +110,21 @@ class Scheduler:
         it, and makes room for one under its share by refusing the newest waiting request
         of the tenant with the most waiting (`shares.queue_place`)."""
         with self.queue_lock:
-            out = None
+            refused = req
             if self.config.shares == "off":
                 rejection = self.gates.check_queue_capacity(len(self.policy),
                                                             self.config.max_queue_size)
-            else:
-                rejection, out = shares.queue_place(list(self.policy), self.prefilling + self.active,
-                                                    req, self.config.max_queue_size)
+            else:  # None, or the refusal of `req` or of a request it pushes out
+                rejection, refused = shares.queue_place(list(self.policy), self.prefilling
+                                                        + self.active, req, self.config.max_queue_size)
             if rejection is not None:
                 self.kv_admit_blocked["G1"] += 1
                 self.rejected["G1"] += 1
-                self._finish(req, FinishReason.ERROR, rejection=rejection)
-                return rejection
-            if out is not None:  # pushed out of a full queue by a tenant under its share
-                waiting = sum(shares.unit(r) == shares.unit(out) for r in self.policy)
-                contenders = len({shares.unit(r) for r in [*self.policy, *self.prefilling,
-                                                            *self.active, req]})
-                self.policy.remove(out)
-                self.kv_admit_blocked["G1"] += 1
-                self.rejected["G1"] += 1
-                self._finish(out, FinishReason.ERROR, rejection=shares.queue_rejection(
-                    waiting, self.config.max_queue_size / contenders,
-                    self.config.max_queue_size, contenders, "its"))
+                if refused is not req:
+                    self.policy.remove(refused)
+                self._finish(refused, FinishReason.ERROR, rejection=rejection)
+                if refused is req:
+                    return rejection
             req.status = RequestStatus.PENDING
             self.requests[req.request_id] = req
             try:

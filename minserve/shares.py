@@ -170,31 +170,25 @@ def queue_place(waiting: list[Request], running: list[Request], req: Request,
     when it is full, `req` is refused if its unit is at its share, else the newest
     waiting request of the unit with the most waiting (above its share, since the queue
     is full and `req`'s unit is under) is pushed out to make room ("longest queue drop"
-    in fair buffer management). Returns (refusal of `req`, request to push out)."""
+    in fair buffer management). Returns (the refusal, for `req` or for the request
+    pushed out, and the request it refuses), or (None, None)."""
     counts = Counter(unit(r) for r in waiting)
-    contenders = set(counts) | {unit(r) for r in running} | {unit(req)}
-    share = max_queue_size / len(contenders)
+    contenders = len(set(counts) | {unit(r) for r in running} | {unit(req)})
+    share = max_queue_size / contenders
     if len(waiting) < max_queue_size:
         return None, None
-    mine = counts[unit(req)]
-    if mine + 1 > share:
-        return queue_rejection(mine, share, max_queue_size, len(contenders), "its"), None
     most = max(sorted(counts), key=lambda u: counts[u])
-    out = max((r for r in waiting if unit(r) == most), key=lambda r: (-r.priority, r.arrival_seq))
-    return None, out
-
-
-def queue_rejection(waiting: int, share: float, max_queue_size: int, contenders: int,
-                    whose: str) -> Rejection:
-    """The G1 refusal a share gives: it names the share and how it was computed."""
+    who = req if counts[unit(req)] + 1 > share else max(
+        (r for r in waiting if unit(r) == most), key=lambda r: (-r.priority, r.arrival_seq))
+    n = counts[unit(who)]
     return Rejection(
         gate="G1", reason="queue_share", hard=True,
-        message=(f"the pending queue is full ({max_queue_size}) and {whose} tenant has "
-                 f"{waiting} requests waiting, its share of the queue now being "
-                 f"{share:g} ({max_queue_size} places / {contenders} tenants waiting or "
-                 "running); retry when some of yours have started"),
-        numbers={"waiting": waiting, "share": round(share, 2), "max_queue_size": max_queue_size,
-                 "contenders": contenders})
+        message=(f"the pending queue is full ({max_queue_size}) and its tenant has {n} "
+                 f"requests waiting, its share of the queue now being {share:g} "
+                 f"({max_queue_size} places / {contenders} tenants waiting or running); "
+                 "retry when some of yours have started"),
+        numbers={"waiting": n, "share": round(share, 2), "max_queue_size": max_queue_size,
+                 "contenders": contenders}), who
 
 
 def split(total: int, wants: list[int]) -> list[int]:
