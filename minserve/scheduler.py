@@ -86,7 +86,9 @@ class Scheduler:
         self.lock = threading.RLock()  # the backend lock: held for a whole tick
         self.queue_lock = threading.RLock()  # guards the policy (pending) and `requests`
         # counters for stats (G5)
-        self.kv_admit_blocked = {"G1": 0, "G2": 0, "G3": 0, "batch": 0, "share": 0}
+        self.kv_admit_blocked = {"G1": 0, "G2": 0, "G3": 0, "batch": 0}
+        if config.shares != "off":
+            self.kv_admit_blocked["share"] = 0  # holds by a share (H6, shares.py)
         self.rejected = {"G1": 0, "G2": 0, "G3": 0}
         self.finished_count = 0
         self.failed_rows = 0  # rows ended by an error of their own (failure isolation)

@@ -98,6 +98,7 @@ def test_a_second_tenant_is_admitted_within_one_row_lifetime_and_borrowed_rows_g
     assert shares["mallory"]["borrowing"] and shares["mallory"]["held_back"]
     assert shares["mallory"]["share_rows"] == shares["alice"]["share_rows"] == 2
     assert not shares["alice"]["held_back"] and not shares["alice"]["borrowing"]
+    assert engine.stats()["kv_admit_blocked"]["share"] >= 1  # counted as its own hold (G5)
     assert why["sentence"].startswith("next to be admitted"), why["sentence"]
     assert why["share"]["share_rows"] == 2 and why["share"]["rows"] == 0
     assert why_flood["share"]["borrowing"] and why_flood["share"]["held_back"]
