@@ -190,6 +190,8 @@ class Scheduler:
         with self.lock, self.queue_lock:
             while (head := failures.policy_call(self, "peek_next")) is not None:
                 req, rejection = self.admission.choose(self, head)  # head, or another's
+                if req is not head and "share" in self.kv_admit_blocked:
+                    self.kv_admit_blocked["share"] += 1  # a share held the head back (H6)
                 if rejection is not None and not rejection.hard:  # G4: it keeps its place
                     self.kv_admit_blocked[rejection.gate] += 1
                     rec.held = {"request_id": req.request_id, "rejection": rejection.to_dict()}
