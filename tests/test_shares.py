@@ -131,7 +131,9 @@ def test_kv_shares_follow_how_many_tenants_want_them(tiny_model):
     """Two tenants take the whole KV budget; a third and a fourth arrive. Each share is
     now a quarter: as KV frees, the newcomers go in before the first two's next requests
     (a fixed max_tenant_kv_share=0.5 let those two keep the whole budget)."""
-    engine = served(tiny_model, max_batch_size=8, num_blocks=32, kv_budget_tokens=400)
+    # FCFS, so that the shares alone put the newcomers first (the fair policy would too)
+    engine = served(tiny_model, policy="fcfs", max_batch_size=8, num_blocks=32,
+                    kv_budget_tokens=400)
     assert engine.scheduler.kv_budget_tokens == 400
     first = {t: [engine.submit(prompt(10 * k + j, 10), sp(n), tenant=t)
                  for j, n in enumerate((38, 142))] for k, t in enumerate("ab")}
