@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 
+import pytest
 import torch
 
 from minserve import Engine, SamplingParams
@@ -103,6 +104,27 @@ def test_a_second_tenant_is_admitted_within_one_row_lifetime_and_borrowed_rows_g
     assert why["share"]["share_rows"] == 2 and why["share"]["rows"] == 0
     assert why_flood["share"]["borrowing"] and why_flood["share"]["held_back"]
     assert "borrowing" in why_flood["sentence"] and "holds this request back" in why_flood["sentence"]
+    drain(engine)
+
+
+@pytest.mark.parametrize("tenant", [None, "class"])
+def test_sessions_share_too_without_keys_and_inside_one_tenant(tiny_model, tenant):
+    """Without tenants the sessions are the units; inside one tenant its sessions split
+    the tenant's share. Under FCFS (so that only the shares reorder): a session that
+    borrowed every row gives the next free row to a newer session, ahead of its own
+    earlier requests."""
+    engine = served(tiny_model, policy="fcfs", max_batch_size=2, num_blocks=64)
+    heavy = [engine.submit(prompt(i), sp(6), session_id="heavy", tenant=tenant)
+             for i in range(5)]
+    step(engine)
+    assert len(running(engine)) == 2  # alone, it borrows both rows
+    light = engine.submit(prompt(9), sp(2), session_id="light", tenant=tenant)
+    admitted = []
+    while light.request_id not in admitted:
+        admitted += [a["request_id"] for a in step(engine).admit.admitted]
+    # the tick its rows free, each session takes its share, one row: heavy's 4th and 5th
+    # wait behind light although they came first
+    assert sorted(admitted) == sorted([light.request_id, heavy[2].request_id]), admitted
     drain(engine)
 
 
