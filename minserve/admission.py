@@ -44,7 +44,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from . import failures
+from . import failures, shares
 from .request import FinishReason, Rejection, Request, RequestStatus
 
 
@@ -104,12 +104,27 @@ class Admission(ABC):
         rows = len(s.prefilling) + len(s.active)
         return g2 or s.gates.batch_slot_hold(rows, s.config.max_batch_size) or g3
 
-    def share_hold(self, s, req: Request) -> Rejection | None:
-        """`max_rows_per_session`: a session that holds that many rows (prefilling or
-        active) waits while another session's request is admitted ahead of it.
-        `max_tenant_kv_share` (H5): a tenant whose rows reserve that share of the G2
-        budget waits the same way (unless it holds nothing: a request always fits under
-        its own `max_request_kv_share`)."""
+    def book(self, s) -> shares.Book | None:
+        """Who holds and who wants what now (shares.py), or None when shares are off."""
+        if s.config.shares == "off":
+            return None
+        return shares.Book.count(s.prefilling + s.active, list(s.policy),
+                                 s.config.max_batch_size, s.kv_budget_tokens)
+
+    def share_hold(self, s, req: Request, book: shares.Book | None = None) -> Rejection | None:
+        """Whether a share holds `req` back while another's request goes first (soft).
+
+        `shares="equal"` (H6): admitting it would take its tenant (or its session inside
+        the tenant) past its share of rows or KV now, while a unit under its share waits
+        (`shares.holds`; `book` counted once per decision by the caller). The fixed caps,
+        when set: `max_tenant_kv_share` (H5): a tenant whose rows reserve that share of
+        the G2 budget (unless it holds nothing: a request always fits under its own
+        `max_request_kv_share`); `max_rows_per_session`: a session holding that many rows."""
+        book = book if book is not None else self.book(s)
+        if book is not None:
+            hold = shares.holds(book, req, self.need)
+            if hold is not None:
+                return hold
         running = s.prefilling + s.active
         share = s.config.max_tenant_kv_share
         if req.tenant is not None and share < 1:
@@ -126,14 +141,17 @@ class Admission(ABC):
     def choose(self, s, head: Request) -> tuple[Request, Rejection | None]:
         """Whom T1 admits next and the verdict on it: the policy's `head`, unless it could
         pass but its session or tenant holds its share (`share_hold`); then the first
-        waiting request (in the policy's order) of one that does not, if any."""
+        waiting request (in the policy's order) of one that does not, if any. Then the
+        gates decide; a soft hold stops T1 there (G4), so nobody is admitted past it:
+        what bounds a waiting unit's wait (shares.py, "The bound")."""
         rejection = self.verdict(s, head)
         if rejection is not None and rejection.hard:
             return head, rejection
-        held = self.share_hold(s, head)
+        book = self.book(s)
+        held = self.share_hold(s, head, book)
         if held is None:
             return head, rejection
-        other = next((r for r in s.policy if self.share_hold(s, r) is None), None)
+        other = next((r for r in s.policy if self.share_hold(s, r, book) is None), None)
         return (head, held) if other is None else (other, self.verdict(s, other))
 
     @abstractmethod
@@ -236,11 +254,15 @@ class PreemptAdmission(Admission):
             out.append(self.preempt(s, self.victim(s), why))
         return out
 
-    @staticmethod
-    def victim(s) -> Request:
+    def victim(self, s) -> Request:
         """The running row to preempt: the policy's `choose_victim` (lowest priority, then
-        latest arrival); if that hook raises, FCFS's choice, the latest arrival."""
+        latest arrival); if that hook raises, FCFS's choice, the latest arrival. With
+        shares (H6), chosen among the rows of the unit furthest above its KV share,
+        counted with what its rows grew since admission (`shares.first_victims`)."""
         running = s.prefilling + s.active
+        book = self.book(s)
+        if book is not None:
+            running = shares.first_victims(book, running)
         with s.queue_lock:
             try:
                 return s.policy.choose_victim(running)

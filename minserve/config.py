@@ -31,6 +31,7 @@ BUILT_MODE_BACKENDS = {(PrefillMode.MONOLITHIC, "padded"), (PrefillMode.MONOLITH
                        (PrefillMode.MIXED_BATCH, "paged")}
 POLICIES = ("fcfs", "fair")
 ADMISSIONS = ("reserve", "preempt")
+SHARES = ("off", "equal")
 BACKENDS = ("padded", "paged")
 MODEL_RUNNERS = ("hf", "compact", "auto")
 DECODE_ATTENTIONS = ("torch", "kernel", "auto")
@@ -55,6 +56,12 @@ class EngineConfig:
     max_batch_size: int = 8  # rows in prefilling + active together (Q3)
     max_queue_size: int = 256  # gate G1: pending requests beyond this are refused
     max_rows_per_session: int | None = None  # batch rows one session may hold; None: no cap
+    # H6 (shares.py): "equal": the tenants (without tenants, sessions) that want them share
+    # batch rows, the KV budget, the pending queue and a tick's prompt tokens equally,
+    # a tenant's sessions split its share, and a share nobody else wants is lent.
+    # "off": first come (or the fair policy's order) takes what the gates allow.
+    # `minserve serve` sets "equal".
+    shares: str = "off"
 
     # --- policy (P) -------------------------------------------------------------
     policy: str = "fcfs"  # "fcfs" (P1) | "fair" (P2, VTC)
@@ -95,6 +102,10 @@ class EngineConfig:
     # --- prefill (C) ---------------------------------------------------------------
     prefill_mode: str = ""  # "" -> derived from prefill_chunk_size (C2)
     prefill_chunk_size: int = 0  # > 0 -> chunked prefill with chunks of this many tokens
+    # The prompt tokens one tick computes over all rows (vLLM's --max-num-batched-tokens,
+    # for prompts only), split max-min fair between tenants, then rows (shares.py).
+    # None: no budget beyond each prefilling row's chunk. Needs chunked or mixed_batch.
+    max_prefill_tokens: int | None = None
 
     # --- misc ------------------------------------------------------------------------
     seed: int = 0  # seeds requests that bring no seed of their own
@@ -105,6 +116,7 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig: {msg}")
 
         for name, choices in (("dtype", DTYPES), ("policy", POLICIES), ("admission", ADMISSIONS),
+                              ("shares", SHARES),
                               ("backend", BACKENDS), ("model_runner", MODEL_RUNNERS),
                               ("decode_attention", DECODE_ATTENTIONS),
                               ("cuda_graphs", CUDA_GRAPHS)):
@@ -118,6 +130,7 @@ class EngineConfig:
                            ("max_rows_per_session", "for no cap"), ("fair_max_sessions", ""),
                            ("block_size", ""), ("num_blocks", "to derive it"),
                            ("kv_budget_tokens", "to derive it"),
+                           ("max_prefill_tokens", "for no budget beyond the chunks"),
                            ("max_model_len", "for the model's own")):
             v = getattr(self, name)
             need(_pos_int(v) or (none != "" and v is None),
@@ -154,6 +167,10 @@ class EngineConfig:
              f"not backend={self.backend!r}")
         need(mode is not PrefillMode.CHUNKED or self.prefill_chunk_size > 0,
              "prefill_mode='chunked' needs prefill_chunk_size > 0")
+        need(self.max_prefill_tokens is None or mode is not PrefillMode.MONOLITHIC,
+             f"max_prefill_tokens={self.max_prefill_tokens} cuts prompts into pieces; "
+             "monolithic prefill computes each whole: set prefill_chunk_size > 0 (chunked) "
+             "or prefill_mode='mixed_batch', or max_prefill_tokens=None")
 
     def check_device(self, device_type: str) -> None:
         """D1: refuse what this config asks of a device that does not have it, saying why:

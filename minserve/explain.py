@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import shares
 from .request import Request
 
 
@@ -62,15 +63,15 @@ def explain(scheduler, request_id: str, others_private: bool = False) -> dict[st
             out["sentence"] = (f"prefilling: {req.num_computed_prompt_tokens} of "
                                f"{req.prefill_len} prompt tokens computed"
                                + _recompute_note(req))
-            return out
+            return _with_share(s, req, out)
         if any(r is req for r in s.active):
             out["queue"] = "active"
             out["sentence"] = (f"running: {len(req.output_token_ids)} of at most "
                                f"{req.max_tokens} tokens generated; it holds "
                                f"{req.reserved_tokens} tokens of KV reservation"
                                + _preempted_note(req))
-            return out
-        return _pending(s, req, out, others_private)
+            return _with_share(s, req, out)
+        return _with_share(s, req, _pending(s, req, out, others_private))
 
 
 def _pending(s, req: Request, out: dict[str, Any], others_private: bool) -> dict[str, Any]:
@@ -83,6 +84,16 @@ def _pending(s, req: Request, out: dict[str, Any], others_private: bool) -> dict
     out.update(queue="pending", position=pos, ahead=pos, waiting=len(order),
                rows=len(s.prefilling) + len(s.active), max_batch_size=s.config.max_batch_size,
                kv_reserved=s.active_kv_reserved, kv_budget_tokens=s.kv_budget_tokens)
+    if pos > 0 and verdict is not None and verdict.gate == "share":
+        chosen, mine = s.admission.choose(s, head)  # shares (H6): it may go before the head
+        if chosen is req:
+            out["held_by"] = None if mine is None else {"request_id": req.request_id,
+                                                         **mine.to_dict()}
+            out["sentence"] = (f"next to be admitted, before the {pos} ahead of it, whose "
+                               "shares hold them back: " + (
+                                   _hold_words(mine) if mine is not None
+                                   else "nothing holds it") + _preempted_note(req))
+            return out
     if verdict is not None:
         out["held_by"] = {"request_id": head.request_id, **verdict.to_dict()}
     why = "nothing holds it" if verdict is None else (
@@ -100,6 +111,31 @@ def _pending(s, req: Request, out: dict[str, Any], others_private: bool) -> dict
         sentence += (f"; your session's counter is {fair['session_counter']:g}, the lowest "
                      f"waiting is {fair['lowest_waiting_counter']:g}")
     out["sentence"] = sentence + _preempted_note(req)
+    return out
+
+
+def _with_share(s, req: Request, out: dict[str, Any]) -> dict[str, Any]:
+    """With shares (H6): the request's tenant (session) share now, what it holds, whether
+    it borrows and whether its share holds this request back, in `share` and the sentence."""
+    book = s.admission.book(s)
+    if book is None:
+        return out
+    n = shares.path(req)[0]
+    rows, kv = book.share(n)
+    held = req.status.value == "pending" and shares.holds(book, req, s.admission.need) is not None
+    who = "tenant" if req.tenant is not None else "session"
+    out["share"] = {"unit": who, "rows": book.rows[n], "share_rows": round(rows, 2),
+                    "kv": book.kv[n], "share_kv": round(kv, 2),
+                    "contenders": len(book.siblings.get((), [])),
+                    "borrowing": book.rows[n] > rows or book.kv[n] > kv, "held_back": held}
+    note = (f"; your {who}'s share now: {rows:g} of {s.config.max_batch_size} rows and "
+            f"{kv:g} of {s.kv_budget_tokens} KV tokens ({out['share']['contenders']} "
+            f"{who}s want them); it holds {book.rows[n]} rows and {book.kv[n]} KV tokens")
+    if out["share"]["borrowing"]:
+        note += ": borrowing what nobody else wants now, given back first when someone waits"
+    if held:
+        note += "; its share holds this request back while one under its share waits"
+    out["sentence"] += note
     return out
 
 
@@ -128,6 +164,8 @@ def _load_words(r) -> str:
         return f"G2: {n['active_kv_reserved']} of {n['kv_budget_tokens']} KV tokens are reserved"
     if r.reason in ("block_pool", "prompt_exceeds_block_pool"):
         return f"G3: {n['free_blocks']} free blocks"
+    if r.reason == "over_share":
+        return "its tenant is above its share now, and one under its share waits (H6)"
     return f"{r.gate or 'a share rule'} ({r.reason})"
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from . import shares
+
 
 @dataclass
 class AdmitRecord:
@@ -129,6 +131,10 @@ def stats(s) -> dict[str, Any]:
     """SPEC G5: queues, reservation, gate counters, KV pressure, policy counters."""
     with s.queue_lock:
         pending, policy = len(s.policy), s.policy.stats()
+        book = s.admission.book(s)  # shares (H6), None when off
+        if book is not None:
+            held = {n for n, r in book.first.items()
+                    if len(n) == 1 and shares.holds(book, r, s.admission.need) is not None}
     out: dict[str, Any] = {
         "ticks": s.tick_count,
         "queues": {"pending": pending, "prefilling": len(s.prefilling),
@@ -151,6 +157,8 @@ def stats(s) -> dict[str, Any]:
         "prefill_mode": s.config.prefill_mode,
         "policy": policy,
     }
+    if book is not None:  # per tenant (sessions): holds, share now, borrowing, held back
+        out["shares"] = shares.table(book, held)
     if s.block_manager is not None:
         b = s.block_manager.stats()
         out["blocks"] = b

@@ -47,7 +47,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from . import execute, failures, gates, records
+from . import execute, failures, gates, records, shares
 from .admission import MODES
 from .backends.base import Backend
 from .config import EngineConfig, PrefillMode
@@ -87,6 +87,8 @@ class Scheduler:
         self.queue_lock = threading.RLock()  # guards the policy (pending) and `requests`
         # counters for stats (G5)
         self.kv_admit_blocked = {"G1": 0, "G2": 0, "G3": 0, "batch": 0}
+        if config.shares != "off":
+            self.kv_admit_blocked["share"] = 0  # holds by a share (H6, shares.py)
         self.rejected = {"G1": 0, "G2": 0, "G3": 0}
         self.finished_count = 0
         self.failed_rows = 0  # rows ended by an error of their own (failure isolation)
@@ -105,14 +107,26 @@ class Scheduler:
 
     # ================================================================= entry points
     def submit(self, req: Request) -> Rejection | None:
-        """Gate G1 then enqueue. Returns the rejection (and finishes the request) if refused."""
+        """Gate G1 then enqueue. Returns the rejection (and finishes the request) if refused.
+        With shares (H6) G1 is per tenant: a full queue refuses a tenant at its share of
+        it, and makes room for one under its share by refusing the newest waiting request
+        of the tenant with the most waiting (`shares.queue_place`)."""
         with self.queue_lock:
-            rejection = self.gates.check_queue_capacity(len(self.policy), self.config.max_queue_size)
+            refused = req
+            if self.config.shares == "off":
+                rejection = self.gates.check_queue_capacity(len(self.policy),
+                                                            self.config.max_queue_size)
+            else:  # None, or the refusal of `req` or of a request it pushes out
+                rejection, refused = shares.queue_place(list(self.policy), self.prefilling
+                                                        + self.active, req, self.config.max_queue_size)
             if rejection is not None:
                 self.kv_admit_blocked["G1"] += 1
                 self.rejected["G1"] += 1
-                self._finish(req, FinishReason.ERROR, rejection=rejection)
-                return rejection
+                if refused is not req:
+                    self.policy.remove(refused)
+                self._finish(refused, FinishReason.ERROR, rejection=rejection)
+                if refused is req:
+                    return rejection
             req.status = RequestStatus.PENDING
             self.requests[req.request_id] = req
             try:
@@ -176,6 +190,8 @@ class Scheduler:
         with self.lock, self.queue_lock:
             while (head := failures.policy_call(self, "peek_next")) is not None:
                 req, rejection = self.admission.choose(self, head)  # head, or another's
+                if req is not head and "share" in self.kv_admit_blocked:
+                    self.kv_admit_blocked["share"] += 1  # a share held the head back (H6)
                 if rejection is not None and not rejection.hard:  # G4: it keeps its place
                     self.kv_admit_blocked[rejection.gate] += 1
                     rec.held = {"request_id": req.request_id, "rejection": rejection.to_dict()}
@@ -263,12 +279,20 @@ class Scheduler:
 
     def _plan_prefill(self) -> list[Piece]:
         """This tick's piece of every prefilling row, in admission order (a cancelled row
-        gets none: T3 evicts it)."""
+        gets none: T3 evicts it). With `max_prefill_tokens`, the pieces together stay
+        within it, split max-min fair between tenants, then rows (`shares.split_prompt_tokens`);
+        a row given nothing this tick gets no piece."""
         size = self.config.prefill_chunk_size or None  # None: the whole rest at once
         if self.config.prefill is PrefillMode.MONOLITHIC:
             size = None
-        return [(req, *self.next_chunk(req, size))
-                for req in list(self.prefilling) if not req.cancel_requested]
+        pieces = [(req, *self.next_chunk(req, size))
+                  for req in list(self.prefilling) if not req.cancel_requested]
+        budget = self.config.max_prefill_tokens
+        if budget is None:
+            return pieces
+        give = shares.split_prompt_tokens([r for r, _, _ in pieces],
+                                          [end - start for _, start, end in pieces], budget)
+        return [(r, start, start + g) for (r, start, _), g in zip(pieces, give) if g > 0]
 
     @staticmethod
     def next_chunk(req: Request, chunk_size: int | None) -> tuple[int, int]:

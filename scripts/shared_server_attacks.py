@@ -301,8 +301,184 @@ def equal_priority() -> dict[str, Any]:
     return priority_starvation(priority=0)
 
 
+# ---------------------------------------------------------------- shares (SPEC H6)
+# The server's own defaults (cli.SERVING_DEFAULTS as the measured code has them), small:
+# what a student meets. The innocent's first token is counted in ticks (robust on a busy
+# machine) and seconds.
+def served(**over) -> Engine:
+    from minserve.server.cli import SERVING_DEFAULTS
+
+    cfg = {**SERVING_DEFAULTS, "device": "cpu", "decode_attention": "torch", **over}
+    return Engine(EngineConfig(**cfg), model=tiny_llama(eos_token_id=0))
+
+
+def ids(seed: int, n: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(1, 256) for _ in range(n)]
+
+
+def watch(eng: Engine) -> dict[str, dict[str, Any]]:
+    """Request id -> tenant, the tick and time it was submitted and admitted (in
+    mixed_batch prefill a short prompt's first token comes in its admission tick). Read
+    from the engine, not the stream: a random model's tokens often detokenize to nothing."""
+    seen: dict[str, dict[str, Any]] = {}
+    s = eng.scheduler
+    submit, admit = s.submit, s._admit
+
+    def on_submit(req):
+        seen[req.request_id] = {"tenant": req.tenant, "submitted": (s.tick_count, time.monotonic())}
+        return submit(req)
+
+    def on_admit(req):
+        seen.setdefault(req.request_id, {}).setdefault("admitted", (s.tick_count, time.monotonic()))
+        return admit(req)
+
+    s.submit, s._admit = on_submit, on_admit
+    return seen
+
+
+def first_token(url: str, eng: Engine, seen: dict, who: str, prompt: list[int],
+                max_tokens: int) -> dict[str, Any]:
+    """Send one request; its status and the ticks and seconds to its admission (its
+    first token: a short prompt prefills in one tick)."""
+    before = set(seen)
+    r = complete(url, who, prompt, max_tokens)
+    mine = [v for k, v in seen.items() if k not in before and v.get("tenant") == who]
+    if r.status_code != 200 or not mine or "admitted" not in mine[0]:
+        return {"status": r.status_code}
+    (t0, s0), (t1, s1) = mine[0]["submitted"], mine[0]["admitted"]
+    return {"status": 200, "ticks": t1 - t0 + 1, "s": round(s1 - s0, 3)}
+
+
+def flood(url: str, who: str, n: int, prompt_len: int, max_tokens: int,
+          sessions: bool = True, gap_s: float = 0.0) -> list[threading.Thread]:
+    out = []
+    for i in range(n):
+        body = {"user": f"s{i}"} if sessions else {}
+        t = threading.Thread(target=complete, args=(url, who, ids(i, prompt_len), max_tokens),
+                             kwargs=body, daemon=True)
+        t.start()
+        out.append(t)
+        time.sleep(gap_s)
+    return out
+
+
+def wait_rows(eng: Engine, n: int, timeout: float = 30.0) -> int:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        rows = len(eng.scheduler.active) + len(eng.scheduler.prefilling)
+        if rows >= n:
+            return rows
+        time.sleep(0.01)
+    return len(eng.scheduler.active) + len(eng.scheduler.prefilling)
+
+
+def lone_client() -> dict[str, Any]:
+    """One client, no `user` (most SDKs), 16 requests at once on a 16-row batch."""
+    eng = served(max_batch_size=16, num_blocks=256)
+    with server(eng) as srv:
+        threads = flood(srv.url, "mallory", 16, 16, 200, sessions=False)
+        peak = 0
+        for _ in range(200):
+            peak = max(peak, len(eng.scheduler.active) + len(eng.scheduler.prefilling))
+            time.sleep(0.01)
+        for t in threads:
+            t.join()
+    return {"attack": "one client without `user`, 16 requests, 16 rows",
+            "peak_rows": peak, "max_batch_size": 16}
+
+
+def session_flood_ttft() -> dict[str, Any]:
+    """mallory: 32 requests in 16 invented sessions on an 8-row batch; alice's first token."""
+    eng = served(max_batch_size=8, num_blocks=512)
+    seen = watch(eng)
+    with server(eng) as srv:
+        idle = first_token(srv.url, eng, seen, "alice", ids(99, 16), 4)
+        threads = flood(srv.url, "mallory", 32, 16, 120, gap_s=0.005)
+        wait_rows(eng, 8)
+        time.sleep(0.1)
+        hit = first_token(srv.url, eng, seen, "alice", ids(98, 16), 4)
+        for t in threads:
+            t.join()
+    return {"attack": "32 requests of mallory in 16 sessions (max_tokens 120), 8 rows",
+            "alice_idle": idle, "alice_under_attack": hit,
+            "bound_ticks": 120 + 1 + 2}
+
+
+def queue_flood() -> dict[str, Any]:
+    """mallory fills the pending queue (16 places); alice sends 3 requests."""
+    eng = served(max_batch_size=4, max_queue_size=16, num_blocks=256)
+    with server(eng) as srv:
+        threads = flood(srv.url, "mallory", 24, 16, 100, gap_s=0.005)
+        wait_rows(eng, 4)
+        time.sleep(0.2)
+        alice = [complete(srv.url, "alice", ids(90 + i, 8), 4) for i in range(3)]
+        for t in threads:
+            t.join()
+    return {"attack": "mallory: 24 requests on 4 rows and a 16-place queue; alice: 3",
+            "alice_statuses": [r.status_code for r in alice],
+            "alice_codes": [(r.json().get("error") or {}).get("code") for r in alice
+                            if r.status_code != 200]}
+
+
+def preempt_victim() -> dict[str, Any]:
+    """--admission preempt: mallory's 3 rows grow past its share; alice arrives last."""
+    eng = served(admission="preempt", max_batch_size=4, num_blocks=24)
+    seen = watch(eng)
+    with server(eng) as srv:
+        threads = flood(srv.url, "mallory", 3, 16, 150, gap_s=0.01)
+        wait_rows(eng, 3)
+        time.sleep(0.1)
+        alice = first_token(srv.url, eng, seen, "alice", ids(97, 16), 150)
+        for t in threads:
+            t.join()
+    pre: dict[str, int] = {}
+    for done in eng.scheduler.recent_finished.values():
+        who = str(done.get("session", "")).split("/")[0]
+        pre[who] = pre.get(who, 0) + done["preemptions"]
+    return {"attack": "preempt: 3 rows of mallory, then alice, 384 KV tokens",
+            "preemptions": pre, "alice_first_token": alice}
+
+
+def split_prompt() -> dict[str, Any]:
+    """alice's stream runs; mallory sends 16 prompts of 256 tokens at once. Every tick
+    decodes alice's row, so her longest gap between tokens is the longest tick."""
+    eng = served(max_batch_size=32, num_blocks=1024)
+    planned: list[int] = []
+    ticks: list[float] = []
+    plan, tick = eng.scheduler._plan_prefill, eng.scheduler.step
+
+    def counted():
+        pieces = plan()
+        planned.append(sum(end - start for _, start, end in pieces))
+        return pieces
+
+    def timed():
+        t0 = time.monotonic()
+        rec = tick()
+        ticks.append(time.monotonic() - t0)
+        return rec
+
+    eng.scheduler._plan_prefill, eng.scheduler.step = counted, timed
+    with server(eng) as srv:
+        t = threading.Thread(target=complete, args=(srv.url, "alice", ids(96, 8), 300))
+        t.start()
+        wait_rows(eng, 1)
+        time.sleep(0.1)
+        quiet = max(ticks[-20:])
+        threads = flood(srv.url, "mallory", 16, 256, 4)
+        for th in threads + [t]:
+            th.join()
+    return {"attack": "16 prompts of 256 tokens at once beside alice's stream",
+            "max_prompt_tokens_in_a_tick": max(planned),
+            "alice_longest_gap_s": round(max(ticks), 3), "quiet_tick_s": round(quiet, 3)}
+
+
 ATTACKS = [fault, slow_bodies, maximal_request, cache_probe, priority_starvation,
-           equal_priority, fair_counters, session_flood, explain_leak, small_defects]
+           equal_priority, fair_counters, session_flood, explain_leak, small_defects,
+           lone_client, session_flood_ttft, queue_flood, preempt_victim, split_prompt]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ import pytest
 from minserve import EngineConfig
 from minserve.__main__ import main
 from minserve.models import resolve_device
+from minserve.server.access import Tenant
 from minserve.server.cli import port_problem
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,17 +142,36 @@ def test_serve_refuses_a_bad_keys_file_or_two_kinds_of_key_before_loading_the_mo
     assert "not both" in capsys.readouterr().err
 
 
-def test_a_shared_server_caps_one_request_one_tenant_and_one_session_by_default():
+def test_a_shared_server_caps_one_request_and_shares_the_rest_fairly_by_default():
+    """H5, H6: `serve` caps one request at half the KV budget, orders waiting requests by
+    the fair policy and shares rows, KV, queue and a tick's prompt tokens between those
+    that want them, with no fixed per-session or per-tenant cap (a lone client gets the
+    whole batch); and says so at start-up."""
     import argparse
 
-    from minserve.server.cli import SERVING_DEFAULTS, add_serve_arguments, engine_config_from_args
+    from minserve.server.cli import (
+        SERVING_DEFAULTS,
+        add_serve_arguments,
+        engine_config_from_args,
+        fairness_line,
+    )
 
     p = argparse.ArgumentParser()
     add_serve_arguments(p)
     served = engine_config_from_args(p.parse_args([]), {}, defaults=SERVING_DEFAULTS)
     assert (served.max_request_kv_share, served.max_tenant_kv_share,
-            served.max_rows_per_session) == (0.5, 0.5, 4)
+            served.max_rows_per_session) == (0.5, 1.0, None)
+    assert (served.policy, served.shares, served.max_prefill_tokens) == ("fair", "equal", 512)
     assert EngineConfig().max_request_kv_share == 1.0  # a notebook's engine: no cap
+    assert EngineConfig().shares == "off"
+    given = engine_config_from_args(p.parse_args(["--policy", "fcfs", "--shares", "off"]), {},
+                                    defaults=SERVING_DEFAULTS)
+    line = fairness_line(given, None)  # said plainly at start-up: what is not fair
+    assert "arrival order" in line and "shares off" in line
+    keys = {"k1": Tenant("alice"), "k2": Tenant("bob")}
+    line = fairness_line(served, keys)
+    assert "the 2 tenants" in line and "fair (VTC)" in line and "lone client" in line
+    assert "'default'" in fairness_line(served, None)  # no keys: who is one session
 
 
 def test_serve_says_what_the_engine_runs_on(tiny_model):

@@ -144,6 +144,39 @@ def test_fresh_sessions_do_not_raise_a_tenants_fair_share():
     assert set(p.counters) == {"mallory"}
 
 
+def test_a_tenant_that_fills_its_share_of_the_queue_gets_the_429_and_the_others_queue():
+    """G1 per tenant (H6): mallory alone may fill the queue; then her next request gets
+    the 429 naming the gate and her share, and alice's request still queues and runs
+    (mallory's newest waiting request makes room). Stats show alice her own share only."""
+    with shared(slow_decode_s=0.03, shares="equal", max_batch_size=1,
+                max_queue_size=2) as (url, engine):
+        out = {}
+
+        def send(i):
+            out[i] = post(url, "mallory", {"prompt": [5, i], "max_tokens": 30,
+                                           "ignore_eos": True, "user": f"s{i}"}, timeout=60)
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+            time.sleep(0.2)  # in order: one runs, two wait
+        assert engine.scheduler.active and len(engine.scheduler.policy) == 2
+        r = post(url, "mallory", {"prompt": [5, 9], "max_tokens": 2, "user": "s9"})
+        err = r.json()["error"]
+        assert r.status_code == 429 and err["gate"] == "G1" and err["code"] == "queue_share"
+        assert "share" in err["message"] and err["numbers"]["share"] == 2
+        mine = httpx.get(url + "/scheduler/stats", headers=key("alice")).json()["shares"]
+        assert set(mine) == {"contenders", "own"}  # no other tenant's holdings
+        a = post(url, "alice", {"prompt": [7, 8], "max_tokens": 2, "ignore_eos": True},
+                 timeout=60)
+        assert a.status_code == 200, a.text
+        for t in threads:
+            t.join()
+        codes = sorted(o.status_code for o in out.values())
+        assert codes == [200, 200, 429], codes  # the newest waiting one made room
+        pushed = next(o for o in out.values() if o.status_code == 429).json()["error"]
+        assert pushed["code"] == "queue_share" and pushed["gate"] == "G1"
+
+
 # ------------------------------------------------------------------ 7. bounded state
 def test_sessions_and_priorities_stay_under_the_cap():
     engine = Engine(EngineConfig(**{**SMALL, "policy": "fair", "fair_max_sessions": 20}),

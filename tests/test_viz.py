@@ -312,6 +312,23 @@ def test_stepper_never_shows_a_new_request_beside_an_unexplained_nothing_waiting
     assert "waiting in pending for T1 admit: req-2" in st.status()
 
 
+def test_stepper_shows_each_sessions_share_who_borrows_and_who_is_held_back(tiny_model):
+    """With shares on (SPEC H6) the status says, per session, what it holds of its share
+    now: a lone flood borrows the batch; a newcomer's arrival makes it give rows back."""
+    st = Stepper(make_engine(tiny_model, max_batch_size=4, shares="equal"))
+    assert st.shares() == ""  # nobody wants anything yet
+    for _ in range(6):
+        st.add_request(session="flood", max_tokens=8)
+    st.next_tick()
+    assert "flood: 4 rows of a 4-row share" in st.status()
+    st.add_request(session="alice", max_tokens=2)
+    text = st.status()
+    assert "flood: 4 rows of a 2-row share" in text and "borrowing" in text
+    assert "held back while one under its share waits" in text
+    assert "alice: 0 rows of a 2-row share" in text
+    assert Stepper(make_engine(tiny_model, max_batch_size=2)).shares() == ""  # shares off
+
+
 def test_stepper_requests_without_a_tokenizer_get_varied_lengths_and_show_their_token_ids(
         tiny_model):
     st = Stepper(make_engine(tiny_model, max_batch_size=4), prompt_len=12)

@@ -13,10 +13,11 @@ client (`targets.OpenAITarget`, streaming chat completions):
     16..160, stopping at EOS like a real chat; Poisson arrivals, sent by 32 users in
     turn (each request names its user in the OpenAI `user` field, as a chat front end does).
 
-Why users: `minserve serve` is built to be shared, so it caps the batch rows one
-session may hold (`max_rows_per_session`, 4 by default: docs/security.md). A
-workload sent as ONE user would measure that cap, not the engine: at 2 req/s one
-user has ~20 requests in flight and gets 4 rows. vLLM and HF ignore `user`.
+Why users: a chat front end names its user, and `minserve serve` shares the batch
+between the users that want it (docs/security.md, "Shares"); a lone user gets every
+row, so a workload sent as ONE user (most OpenAI clients send no `user`) measures the
+same engine. (Until the shares, a fixed cap of 4 rows per session held one user to 4
+rows of 64.) vLLM and HF ignore `user`.
 
 The same seed gives the same requests at every rate and to every server. Greedy
 decoding of the same fp32 model gives the same tokens everywhere, so the output

@@ -241,6 +241,25 @@ class Stepper:
                           "waiting in pending for T1 admit: ") + ", ".join(self._arrived))
         if self.phase == 0 and not self.engine.scheduler.has_work():
             lines.append("the engine is idle: add a request, or reset")
+        share = self.shares()
+        if share:
+            lines.append(share)
+        return "\n".join(lines)
+
+    def shares(self) -> str:
+        """One line per tenant (session) that wants rows, with shares on (SPEC H6): what it
+        holds, its share now, whether it borrows or its share holds it back. '' when
+        shares are off or nobody wants anything."""
+        table = self.engine.stats().get("shares") or {}
+        if not table:
+            return ""
+        lines = [f"shares now ({len(table)} want rows and KV):"]
+        for who, t in table.items():
+            state = ("borrowing: given back first" if t["borrowing"] else "within its share")
+            if t["held_back"]:
+                state += "; held back while one under its share waits"
+            lines.append(f"  {who}: {t['rows']} rows of a {t['share_rows']:g}-row share, "
+                         f"{t['kv']} of {t['share_kv']:g} KV tokens ({state})")
         return "\n".join(lines)
 
     def requests(self) -> list[dict[str, Any]]:

@@ -623,7 +623,8 @@ def scrub_explain(out: dict[str, Any], internal: str, client_id: str,
 
 def aggregate_sessions(stats: dict[str, Any], own: str | None) -> dict[str, Any]:
     """/scheduler/stats for anyone: the policy's per-session maps folded into counts and
-    a spread, plus the caller's own session (named by X-Session-Id) if it has one."""
+    a spread, plus the caller's own session (named by X-Session-Id) if it has one; of
+    the shares (H6), how many tenants (sessions) share now and the caller's own."""
     policy = dict(stats.get("policy") or {})
     counters = policy.pop("counters", None) or {}
     served = policy.pop("served", None) or {}
@@ -635,4 +636,8 @@ def aggregate_sessions(stats: dict[str, Any], own: str | None) -> dict[str, Any]
         if own in counters:
             policy["own_session"] = {"session": own, "counter": counters[own],
                                      "served": served.get(own), "queued": queued.get(own, 0)}
-    return {**stats, "policy": policy}
+    out = {**stats, "policy": policy}
+    if "shares" in stats:  # H6: how many share now, and the caller's own share only
+        table = stats["shares"]
+        out["shares"] = {"contenders": len(table), "own": table.get(own)}
+    return out

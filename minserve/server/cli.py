@@ -39,6 +39,7 @@ from ..config import (
     DTYPES,
     MODEL_RUNNERS,
     POLICIES,
+    SHARES,
     EngineConfig,
     PrefillMode,
 )
@@ -50,9 +51,11 @@ from .limits import ServerLimits
 # measures the stall both ways (docs/benchmarks.md); `--prefill-chunk-size 0` restores
 # monolithic prefill. The chat demo (app.py) starts from these too.
 #
-# And what a server a class shares needs (SPEC H5, docs/security.md): no request may
-# reserve more than half the KV budget, nor one tenant's rows together, so a maximal
-# request never holds everybody out; and one session holds at most half the batch rows.
+# And what a server a class shares needs (SPEC H5, H6, docs/security.md): no request may
+# reserve more than half the KV budget, so a maximal request never holds everybody out;
+# the fair policy orders the waiting requests by tenant (without keys, by session); and
+# rows, KV, queue places and a tick's prompt tokens are shared between the tenants
+# (sessions) that want them, a lone client getting the whole machine (shares.py).
 SERVING_DEFAULTS: dict[str, Any] = {
     # serving speed (docs/benchmarks.md, "Side by side"): blocks with prefix caching,
     # the compact forward where it runs the model, decode attention in C where it can be
@@ -62,9 +65,12 @@ SERVING_DEFAULTS: dict[str, Any] = {
     "cuda_graphs": "auto",  # on a GPU: the decode step replayed (fast/cuda_graphs.py)
     "prefill_mode": "mixed_batch",
     "prefill_chunk_size": 256, "max_batch_size": 64, "num_blocks": 2048,
-    # a shared server (SPEC H5): no request, tenant or session takes the whole batch
-    "max_request_kv_share": 0.5, "max_tenant_kv_share": 0.5, "max_rows_per_session": 4}
+    # a shared server (SPEC H5, H6): no request takes the whole budget; the rest is shared
+    "max_request_kv_share": 0.5, "policy": "fair", "shares": "equal",
+    # a tick computes at most 2 chunks of prompt over all rows, split between tenants
+    "max_prefill_tokens": 512}
 CHOICES = {"policy": POLICIES, "backend": BACKENDS, "dtype": DTYPES, "admission": ADMISSIONS,
+           "shares": SHARES,
            "model_runner": MODEL_RUNNERS, "decode_attention": DECODE_ATTENTIONS,
            "cuda_graphs": CUDA_GRAPHS,
            "prefill_mode": tuple(m.value for m in PrefillMode)}
@@ -292,6 +298,7 @@ def serve(args: argparse.Namespace) -> int:
               "this port can use the model", file=sys.stderr)
     print(engine_line(engine), file=sys.stderr)
     print(tenancy_line(api_keys, settings["api_key"], args.allow_priority), file=sys.stderr)
+    print(fairness_line(config, api_keys), file=sys.stderr)
     app = create_app(engine, api_key=settings["api_key"], retry_after_s=args.retry_after,
                      default_max_tokens=args.default_max_tokens,
                      model_aliases=tuple(args.model_alias), limits=limits,
@@ -334,6 +341,26 @@ def tenancy_line(api_keys, api_key, allow_priority: bool) -> str:
     return (f"one tenant ({who}): every client shares the sessions' names, the fair counters "
             "and the prefix cache; give each user a key with --api-keys-file to separate "
             f"them. priority: {'any client may set it (--allow-priority)' if allow_priority else 'fixed at 0'}")
+
+
+def fairness_line(config: EngineConfig, api_keys) -> str:
+    """What `serve` says at start-up about what is fair between whom, and what is not
+    (H6): the policy orders who waits, the shares bound what each holds."""
+    tenants = sorted({t.name for t in api_keys.values()}) if api_keys else []
+    between = (f"the {len(tenants)} tenants of the keys file, then each tenant's sessions"
+               if len(tenants) > 1 else
+               f"the sessions of the one tenant {tenants[0]!r}" if tenants else
+               "sessions (the request's `user` or X-Session-Id; clients that send neither "
+               "are all one session, 'default')")
+    order = ("fair (VTC): the least-served goes first" if config.policy == "fair" else
+             f"{config.policy}: waiting requests go in arrival order, whoever sent them "
+             "(--policy fair orders them by who was served least)")
+    held = ("rows, KV, queue places and a tick's prompt tokens are shared equally between "
+            "those that want them, and lent when nobody else does (a lone client gets the "
+            "whole machine)" if config.shares == "equal" else
+            "shares off (--shares off): one client may hold every row and queue place "
+            "(--shares equal shares them)")
+    return f"sharing between {between}. order: policy {order}. holding: {held}"
 
 
 class BackgroundServer:
