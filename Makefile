@@ -81,7 +81,7 @@ lab-check: setup     # every solution passes all checks; every student version, 
 # quiet machine).
 peers-bench: setup
 	bash scripts/peers_setup.sh .peers/vllm
-	$(BIN)/python -m minserve.bench.side_by_side --write $(ARGS)
+	$(BIN)/python -m minserve.peers.side_by_side --write $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check minserve tests app.py

@@ -182,7 +182,7 @@ def test_refusals_are_counted_by_the_gate_that_refused(tiny_model):
 
 
 def test_hf_peers_complete_the_same_workload(tiny_model):
-    from minserve.bench.peers import HFContinuousTarget, HFStaticTarget
+    from minserve.bench.hf import HFContinuousTarget, HFStaticTarget
 
     w = make_workload(5, rate=100.0, prompt_len="uniform:4:20", output_len="uniform:2:8",
                       vocab=VOCAB, seed=5)

@@ -1,7 +1,7 @@
 """docs/outgrowing.md's vLLM column against a real vLLM's argument parser (docs/outgrowing.md).
 
 docs/vllm_flags.txt is what `python -m vllm.entrypoints.openai.api_server --help`
-printed for the vLLM that `make peers-bench` installs (minserve.bench.vllm_flags writes
+printed for the vLLM that `make peers-bench` installs (minserve.peers.vllm_flags writes
 it there); these tests read it offline.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from minserve.bench.vllm_flags import DOCS, RECORD, doc_vllm_flags, read_record, wrong
+from minserve.peers.vllm_flags import DOCS, RECORD, doc_vllm_flags, read_record, wrong
 
 ROOT = DOCS.parent
 
