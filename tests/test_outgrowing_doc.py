@@ -39,8 +39,8 @@ def test_a_flag_vllm_lacks_or_a_denied_flag_it_has_is_reported():
 def test_the_map_says_how_many_forwards_a_chunked_tick_runs():
     """Version A runs the tick's chunks in one forward when the backend can batch them
     (execute.run_pieces), and both backends can: the map must not say one per chunk."""
-    from minserve.backends.paged import PagedBackend
     from minserve.backends.padded import PaddedBackend
+    from minserve.backends.paged import PagedBackend
 
     row = next(line for line in (DOCS / "outgrowing.md").read_text().splitlines()
                if line.startswith('| `prefill_chunk_size` > 0'))

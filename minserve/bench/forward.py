@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections import defaultdict
 
 from .overhead import fill_decode_batch
 from .registry import experiment, option
 from .report import md_table
-from .timing import fastest_ms, interleave, medians_ms
+from .timing import ForwardClock, fastest_ms, interleave, medians_ms
 
 GROUPS = {
     "weight matmuls (linear layers + head)": ("aten::mm", "aten::addmm",
@@ -43,15 +42,6 @@ def op_shares(step, n: int) -> dict[str, float]:
     ops = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
     total = sum(ops.values())
     return {g: sum(ops.get(op, 0.0) for op in group) / total for g, group in GROUPS.items()}
-
-
-def _timed(module, box: dict, key: str) -> list:
-    """Add the time spent inside `module`'s forward to box[key]; returns the hook handles."""
-    start = {}
-    return [module.register_forward_pre_hook(
-                lambda m, a: start.__setitem__("t", time.perf_counter())),
-            module.register_forward_hook(
-                lambda m, a, o: box.__setitem__(key, box[key] + time.perf_counter() - start["t"]))]
 
 
 @experiment("tick-profile", option("-n", type=int, default=16),
@@ -80,14 +70,13 @@ def tick_profile(bench):
             close()
         return wall, ticks, engine.stats()["tokens_generated"]
 
-    box = defaultdict(float)
-    hooks = _timed(model, box, "forward") + _timed(model.lm_head, box, "head")
+    clocks = ForwardClock(model), ForwardClock(model.lm_head)
     wall, ticks, tokens = run()
-    for h in hooks:  # the profiled run times itself
-        h.remove()
+    for c in clocks:  # the profiled run times itself
+        c.remove()
     shares = op_shares(run, 1)
     shares["the rest (norms, RoPE, SiLU, adds, copies)"] = 1 - sum(shares.values())
-    fwd, head = box["forward"], box["head"]
+    fwd, head = clocks[0].spent, clocks[1].spent
     bench.publish(f"tick-profile-{a.backend}-{a.prefill_mode}", [
         f"## Where the time goes: `{a.prefill_mode}` on the {a.backend} backend", "",
         f"`minserve bench tick-profile --backend {a.backend} --prefill-mode {a.prefill_mode}`: "

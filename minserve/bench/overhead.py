@@ -27,13 +27,12 @@ import cProfile
 import io
 import pstats
 import statistics
-import time
 from typing import Any
 
 import numpy as np
 import torch
 
-from .timing import interleave
+from .timing import ForwardClock, interleave
 
 
 def fill_decode_batch(engine, batch_size: int, prompt_len: int, n_ticks: int, seed: int):
@@ -83,25 +82,6 @@ class _BareDecoder:
         self.tok.tolist()  # the host needs the tokens, as the engine does
 
 
-class _ForwardClock:
-    """Forward hooks on the model's top module: how long its forward took, call by call."""
-
-    def __init__(self, model) -> None:
-        self.spent, self._t = 0.0, 0.0
-        self._handles = [model.register_forward_pre_hook(self._pre),
-                         model.register_forward_hook(self._post)]
-
-    def _pre(self, *_):
-        self._t = time.perf_counter()
-
-    def _post(self, *_):
-        self.spent += time.perf_counter() - self._t
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-
-
 def measure_overhead(engine, batch_size: int = 8, prompt_len: int = 128, ticks: int = 24,
                      warmup: int = 3, seed: int = 0) -> dict[str, Any]:
     """Decode-tick wall time vs a bare forward at the same batch and lengths.
@@ -114,7 +94,7 @@ def measure_overhead(engine, batch_size: int = 8, prompt_len: int = 128, ticks: 
     """
     prompts, handles = fill_decode_batch(engine, batch_size, prompt_len, ticks + warmup, seed)
     bare = _BareDecoder(engine.model, prompts)
-    clock = _ForwardClock(engine.model)
+    clock = ForwardClock(engine.model)
     pure, fwd = [], []
 
     def tick() -> None:

@@ -12,6 +12,10 @@ A shared 2-core machine drifts by tens of percent from one minute to the next, s
 
     times = interleave({"padded": padded.step, "paged": paged.step}, rounds=16)
     medians_ms(times)            # {"padded": 152.3, "paged": 168.0}
+
+`ForwardClock` times the model's forward inside a tick with hooks: the share of a tick
+spent outside the forward then comes from one measurement, which the machine's noise
+hits alike.
 """
 
 from __future__ import annotations
@@ -65,3 +69,22 @@ class Conditions:
     def as_dict(self) -> dict[str, float | int]:
         return {"threads": self.threads, "load_start": self.load_start,
                 "load_end": os.getloadavg()[0], "cores": os.cpu_count() or 0}
+
+
+class ForwardClock:
+    """Forward hooks on a module: the seconds spent inside its forward, summed (`spent`)."""
+
+    def __init__(self, model) -> None:
+        self.spent, self._t = 0.0, 0.0
+        self._handles = [model.register_forward_pre_hook(self._pre),
+                         model.register_forward_hook(self._post)]
+
+    def _pre(self, *_):
+        self._t = time.perf_counter()
+
+    def _post(self, *_):
+        self.spent += time.perf_counter() - self._t
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()

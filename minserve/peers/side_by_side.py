@@ -163,7 +163,7 @@ def commands(args, model_dir: str) -> list[ServerCommand]:
     return made
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--peers", default="minserve,vllm,hf",
@@ -183,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-phenomena", dest="phenomena", action="store_false",
                    help="skip lessons 03 and 06's phenomena on minserve and vLLM (phenomena.py)")
     p.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     bad = [x for x in args.peers if x not in PEERS]
     if bad:
