@@ -299,6 +299,8 @@ def check_command(cmd: str) -> None:
     """A documented command runs what exists: its experiment is registered and its options
     parse (`minserve bench ...`), or its make target and script take its arguments."""
     words = shlex.split(cmd.replace("\n", " "))
+    if any(w.isupper() and w.isalpha() for w in words):  # a placeholder: `minserve bench NAME`
+        return
     if words[:2] == ["minserve", "bench"]:
         args, unknown = bench_parser().parse_known_args(words[2:])
         assert not unknown, f"`{cmd}`: {unknown} are no options of its experiment"
@@ -333,7 +335,7 @@ def test_every_table_of_the_benchmarks_page_names_a_command_that_runs():
 
     named = {w[2] if len(w) > 2 and not w[2].startswith("-") else DEFAULT
              for text in pages.values() for c in COMMAND.findall(text)
-             if (w := shlex.split(c))[:2] == ["minserve", "bench"]}
+             if (w := shlex.split(c))[:2] == ["minserve", "bench"] and w[2:3] != ["EXPERIMENT"]}
     assert named == set(EXPERIMENTS), set(EXPERIMENTS) ^ named
 
 

@@ -8,11 +8,11 @@
    prefix caching leaves them) and then hold 16..288 tokens of their own in blocks
    scattered over the pool, as the chat workload does. Both ways on the same pool and
    tables, interleaved, medians; they must agree (checked each run).
-2. `--ticks` (default on): whole decode ticks of two engines on the embedded model, the
+2. Unless `--no-ticks`: whole decode ticks of two engines on the embedded model, the
    compact forward, one with `decode_attention="torch"` and one with `"kernel"`, the same
    B rows in each, ticks interleaved. What the kernel changes in what a user waits for.
 
-One torch thread, as `minserve serve` runs on 2 cores. Ratios are the figures to quote.
+One torch thread (`--threads` to change), as `minserve serve` runs on 2 cores.
 """
 
 from __future__ import annotations

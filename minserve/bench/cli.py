@@ -29,7 +29,7 @@ def _add(p: argparse.ArgumentParser, e: Experiment) -> None:
     for flags, kwargs in e.options:
         p.add_argument(*flags, **kwargs)
     p.add_argument("--threads", type=int, default=e.threads,
-                   help="torch intra-op threads (default: torch's own)")
+                   help="torch intra-op threads (None: torch's own)")
     p.add_argument("--no-docs", action="store_true", help="print only; leave the docs alone")
 
 
