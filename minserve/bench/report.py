@@ -35,8 +35,10 @@ def update_section(name: str, markdown: str, doc: Path = DOC) -> Path:
 
 
 def md_table(header: list[str], rows: list[list[Any]], align: str = "---") -> list[str]:
-    """A markdown table's lines: the header, the rule, one line per row."""
-    return ["| " + " | ".join(header) + " |", "|" + f"{align}|" * len(header),
+    """A markdown table's lines: the header, the rule, one line per row. `align` ("---:"
+    right) is every column's but a first column of labels, which stays left."""
+    first = align if rows and isinstance(rows[0][0], (int, float)) else "---"
+    return ["| " + " | ".join(header) + " |", f"|{first}|" + f"{align}|" * (len(header) - 1),
             *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
 
 
