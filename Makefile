@@ -90,7 +90,7 @@ class-bundle: setup  # dist/class-<version>/ and dist/class-<version>.zip
 # quiet machine).
 peers-bench: setup
 	bash scripts/peers_setup.sh .peers/vllm
-	$(BIN)/python -m minserve.bench.side_by_side --write $(ARGS)
+	$(BIN)/python -m minserve.peers.side_by_side --write $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check minserve tests app.py

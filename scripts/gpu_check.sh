@@ -20,5 +20,5 @@ print("torch", torch.__version__, "transformers", transformers.__version__,
 PY
 python3 -m pytest -q -o addopts="" -p no:cacheprovider -m cuda tests/test_cuda.py 2>&1 \
     | tee "$out/cuda_tests.log"
-python3 -m minserve.bench.gpu --device cuda --out "$out" ${REQUESTS:+--requests $REQUESTS} 2>&1 \
+python3 -m minserve.bench gpu --device cuda --out "$out" ${REQUESTS:+--requests $REQUESTS} 2>&1 \
     | tee "$out/gpu_bench.log"

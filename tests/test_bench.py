@@ -8,9 +8,12 @@ are counted by gate, and the report files are written.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
+import shlex
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -197,7 +200,7 @@ def test_refusals_are_counted_by_the_gate_that_refused(tiny_model):
 
 
 def test_hf_peers_complete_the_same_workload(tiny_model):
-    from minserve.bench.peers import HFContinuousTarget, HFStaticTarget
+    from minserve.bench.hf import HFContinuousTarget, HFStaticTarget
 
     w = make_workload(5, rate=100.0, prompt_len="uniform:4:20", output_len="uniform:2:8",
                       vocab=VOCAB, seed=5)
@@ -292,3 +295,114 @@ def test_bench_help_shows_every_default(capsys):
         main(["bench", "--help"])
     out = capsys.readouterr().out
     assert "(default: 40)" in out and "(default: inf)" in out
+
+
+# ============================================================== one command per table
+ROOT = Path(__file__).resolve().parents[1]
+COMMAND = re.compile(r"`((?:minserve bench|make peers-bench|bash scripts/gpu_check\.sh)[^`]*)`")
+
+
+def bench_parser():
+    from minserve.bench.cli import add_bench_arguments
+
+    p = argparse.ArgumentParser(prog="minserve bench", exit_on_error=False)
+    add_bench_arguments(p)
+    return p
+
+
+def check_command(cmd: str) -> None:
+    """A documented command runs what exists: its experiment is registered and its options
+    parse (`minserve bench ...`), or its make target and script take its arguments."""
+    words = shlex.split(cmd.replace("\n", " "))
+    if any(w.isupper() and w.isalpha() for w in words):  # a placeholder: `minserve bench NAME`
+        return
+    if words[:2] == ["minserve", "bench"]:
+        args, unknown = bench_parser().parse_known_args(words[2:])
+        assert not unknown, f"`{cmd}`: {unknown} are no options of its experiment"
+    elif words[:2] == ["make", "peers-bench"]:
+        from minserve.peers.side_by_side import parser
+
+        assert re.search(r"^peers-bench:.*\n(?:\t.*\n)*\t.*minserve\.peers\.side_by_side",
+                         (ROOT / "Makefile").read_text(), re.M), "Makefile: no peers-bench"
+        extra = [w.partition("=")[2] for w in words[2:] if w.startswith("ARGS=")]
+        parser().parse_args(shlex.split(extra[0]) if extra else [])
+    else:
+        assert (ROOT / words[1]).exists(), cmd
+
+
+def test_every_table_of_the_benchmarks_page_names_a_command_that_runs():
+    """docs/benchmarks.md: every section with a table names the command that reproduces it
+    (docs/demo.md's and docs/gpu.md's measured sections too), and each command parses."""
+    pages = {name: (ROOT / "docs" / name).read_text() for name in ("benchmarks.md", "demo.md",
+                                                                   "gpu.md")}
+    checked = 0
+    for name, text in pages.items():
+        for section in re.split(r"\n(?=#{2,3} )", text):
+            commands = COMMAND.findall(section)
+            if name == "benchmarks.md" and "\n|---" in section:
+                assert commands, f"{name}: a table without its command: {section[:80]!r}"
+            for cmd in commands:
+                check_command(cmd)
+                checked += 1
+    assert checked >= 15
+    # every experiment the registry lists is run by at least one documented command
+    from minserve.bench.cli import DEFAULT, EXPERIMENTS
+
+    named = {w[2] if len(w) > 2 and not w[2].startswith("-") else DEFAULT
+             for text in pages.values() for c in COMMAND.findall(text)
+             if (w := shlex.split(c))[:2] == ["minserve", "bench"] and w[2:3] != ["EXPERIMENT"]}
+    assert named == set(EXPERIMENTS), set(EXPERIMENTS) ^ named
+
+
+def test_a_command_of_a_missing_experiment_or_option_is_refused():
+    check_command("minserve bench kv-cache --batch 8 --threads 1 --no-docs")
+    check_command('make peers-bench ARGS="-d 30"')
+    for bad in ("minserve bench kv-bench", "minserve bench linear --rouns 3",
+                'make peers-bench ARGS="--per-user 30"'):
+        with pytest.raises((AssertionError, SystemExit, argparse.ArgumentError)):
+            check_command(bad)
+
+
+def test_no_page_names_a_module_command_that_is_gone():
+    """`python -m minserve.X.Y` in the docs or the README names a module that runs."""
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for mod in re.findall(r"python3? -m (minserve(?:\.\w+)+)", page.read_text()):
+            path = ROOT / (mod.replace(".", "/") + ".py")
+            pkg_main = ROOT / mod.replace(".", "/") / "__main__.py"
+            assert pkg_main.exists() or (path.exists() and "__main__" in path.read_text()), \
+                f"{page.name}: `python -m {mod}` runs nothing"
+
+
+def test_bench_list_names_every_experiment_once_with_its_line(capsys):
+    from minserve.__main__ import main
+    from minserve.bench.cli import EXPERIMENTS
+
+    assert main(["bench", "--list"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [ln.split()[0] for ln in lines] == list(EXPERIMENTS)
+    assert all(len(ln.split(None, 1)[1]) > 20 for ln in lines)
+
+
+# ============================================================== the timing discipline
+def test_interleave_rotates_the_order_and_keeps_the_warmup_off_the_record():
+    from minserve.bench.timing import interleave
+
+    calls: list[str] = []
+    times = interleave({k: (lambda k=k: calls.append(k)) for k in "abc"}, rounds=3, warmup=1)
+    assert "".join(calls) == "abc" + "bca" + "cab" + "abc"  # nobody always runs first
+    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}  # round 0 dropped
+
+
+def test_every_published_section_says_its_threads_and_load_average(tmp_path):
+    from minserve.bench.registry import Bench
+
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\n<!-- bench:x -->\nold\n<!-- /bench:x -->\n\nprose kept\n")
+    bench = Bench(argparse.Namespace(no_docs=False))
+    bench.publish("x", ["## X", "", "| a |", "|---|", "| 1 |"], doc=doc)
+    text = doc.read_text()
+    assert "old" not in text and "prose kept" in text
+    assert re.search(r"\| 1 \|\n\n_.*, \d+ threads; load average \(1 min\) [\d.]+ at the start, "
+                     r"[\d.]+ at the end, on \d+ cores_\n<!-- /bench:x -->", text), text
+    Bench(argparse.Namespace(no_docs=True)).publish("x", ["## Y"], doc=doc)
+    assert "## Y" not in doc.read_text()  # --no-docs: printed only

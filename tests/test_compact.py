@@ -151,16 +151,16 @@ def test_compact_on_smollm2_equals_hf_generate(real_model, real_oracle):
 
 def test_compact_bench_times_pure_decode_ticks_of_both_runners():
     """The benchmark's building block runs on any Llama: both engines tick B rows."""
-    from minserve.bench.compact_bench import measure
+    from minserve.bench.forward import compact_ticks
 
-    r = measure(tiny("llama"), None, B=2, prompt_len=12, ticks=2, warmup=1)
+    r = compact_ticks(tiny("llama"), None, B=2, prompt_len=12, ticks=2, warmup=1)
     assert r["B"] == 2 and min(r["hf"], r["compact"], r["floor"]) > 0
     assert set(r["shares"]) and 0 < sum(r["shares"].values()) <= 1
 
 
 def test_linear_bench_times_the_same_products_both_ways():
     """The linear benchmark's plain weights are the prepacked ones unpacked: same math."""
-    from minserve.bench.linear_bench import measure, weight_pairs
+    from minserve.bench.forward import linear_times, weight_pairs
 
     runner = CompactLlama(tiny("llama"), max_model_len=64)
     pairs = weight_pairs(runner)
@@ -168,5 +168,5 @@ def test_linear_bench_times_the_same_products_both_ways():
     for w, lin in pairs:
         x = torch.randn(3, lin.shape[1])
         torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
-    r = measure(runner, B=2, rounds=1)
+    r = linear_times(runner, B=2, rounds=1)
     assert set(r) == {"F.linear", "prepacked"} and min(r.values()) > 0

@@ -135,7 +135,7 @@ def test_kernel_is_built_once_and_cached_on_disk(tmp_path, monkeypatch):
 
 
 def test_attention_bench_times_both_ways_and_checks_they_agree():
-    from minserve.bench.attention_bench import layer_times
+    from minserve.bench.attention import layer_times
 
     r = layer_times(2, rounds=3)
     assert set(r) == {"torch", "kernel"} and min(r.values()) > 0

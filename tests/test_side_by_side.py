@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from minserve.bench.metrics import RequestResult
-from minserve.bench.side_by_side import RateRun, main, meets_slo, slo_share, sweep
+from minserve.peers.side_by_side import RateRun, main, meets_slo, slo_share, sweep
 
 
 def _result(ttft: float | None, gap: float, n: int, error: str | None = None) -> RequestResult:

@@ -26,7 +26,7 @@ In memory the KV head comes first: `key_cache[layer]` is a permuted *view* of a
 KV head, so one `index_select` over the flat slots returns every row's history
 already as (H_kv, B, L, D), contiguous, ready for a batched matmul per head with
 no transposing copy. On a 2-core CPU that copy cost as much as the gather itself
-(`minserve.bench.kv_bench`, docs/benchmarks.md). Writing a token is one
+(`minserve bench kv-cache`, docs/benchmarks.md). Writing a token is one
 `flat[:, slot] = kv` and reading tokens one `flat[:, slots]` (spelled `index_copy_` /
 `index_select`): plain indexing, which is what a reader should see first. Attention
 reads whole blocks (`read_blocks`): a block of one head is S*D contiguous floats. A fused
@@ -163,7 +163,7 @@ class KVBlockStorage:
         Why blocks, not tokens: one copy of S*D floats per block instead of S copies of
         D floats. Over a decode batch's whole history that gather was the paged
         backend's largest cost after the matmuls; by blocks it is several times faster
-        (`minserve.bench.kv_bench`). It is still a copy: a fused PagedAttention kernel
+        (`minserve bench kv-cache`). It is still a copy: a fused PagedAttention kernel
         reads the blocks where they lie.
 
         `reuse=True` writes into this storage's scratch buffers instead of new tensors,

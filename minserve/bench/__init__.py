@@ -1,31 +1,31 @@
-"""Benchmarks: they measure and print figures; tests check behaviour (never timings).
+"""Benchmarks: experiments that measure and print figures; tests check behaviour (never timings).
 
-`minserve bench`: minserve against its peers, one file per concept. An outer layer.
+`minserve bench [EXPERIMENT] [options]` runs one (`--list` names them; the default,
+`serving`, replays a workload against minserve and its Hugging Face peers). An outer layer.
 
+    cli.py        the command: the list of experiments, their options, `--list`
+    registry.py   what an experiment is (a function with declared options) and the `Bench`
+                  it receives: the model loaded once, engines on it, the docs writers
+    timing.py     the timing discipline, once: warm-up, interleaving, medians, conditions
     workload.py   the load generator: arrivals (Poisson / gamma / closed loop), lengths, sessions
     targets.py    what a workload is replayed against: the in-process engine, any OpenAI URL
-    peers.py      Hugging Face static `generate` and continuous batching, same model, same process
+    hf.py         the peers in process: HF static `generate` and continuous batching
     metrics.py    TTFT, ITL, TPOT, e2e, throughput, per session, Jain's index, refusals by gate
-    overhead.py   a decode tick vs a bare batched forward (the physical floor)
-    report.py     JSON, plotly HTML, markdown tables of ratios to minserve
-    runner.py     the building blocks of a run (load, engine, workload, replay, print)
-    cli.py        the `minserve bench` command; suite.py: the runs behind docs/benchmarks.md
+    report.py     JSON, plotly HTML, markdown tables, each experiment's docs section
+    figures.py    docs/figures.json: measured figures the prose quotes, kept in step
+
+The experiments, one concept per file: serving.py (+ overhead.py), throughput.py,
+kv.py, scheduling.py, admission.py, forward.py, attention.py, gpu.py.
 
     from minserve.bench.workload import make_workload
     from minserve.bench.targets import EngineTarget
     run = EngineTarget(engine).run(make_workload(32, rate=1.0))
     run.summary()["ttft"]["p99"]
 
-`sched_bench.py` is the scheduling benchmark, `kv_bench.py` the KV-cache one,
-`decode_throughput.py` the decode-throughput one; `compact_bench.py` times a decode
-tick of the HF model against the compact forward and the weight-matmul floor; `demo_wait.py` times the chat
-demo's light user under its flood (docs/demo.md); `docs_report.py` writes each
-benchmark's own section of docs/benchmarks.md.
-
 May import: the core and its front (it builds Engines), its own modules,
-`minserve.fast` (`attention_bench.py` and `linear_bench.py` time its parts against
-the readable versions) and `minserve.chat` (`demo_wait.py` measures the demo's
-own logic, not a copy of it); `targets.py` speaks HTTP to any OpenAI-compatible
-server (minserve's or another) through httpx, never through `minserve.server`.
-Never imported by the core.
+`minserve.fast` (forward.py and attention.py time its parts against the readable
+versions) and `minserve.chat` (the demo-wait experiment measures the demo's own logic,
+not a copy of it); targets.py speaks HTTP to any OpenAI-compatible server through
+httpx, never through `minserve.server`. Imported by `minserve.peers` and `minserve.labs`;
+never by the core.
 """

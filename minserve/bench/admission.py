@@ -1,6 +1,6 @@
 """Reserve or preempt: one workload, the same KV budget, both admission settings (P6).
 
-    python -m minserve.bench.admission            # embedded SmolLM2, ~3 min on 2 cores
+    minserve bench admission            # embedded SmolLM2, ~3 min on 2 cores
 
 `admission="reserve"` admits a request only when prompt + max_tokens of KV is free,
 so a running row never runs out, but every row holds room for its *longest possible*
@@ -18,13 +18,12 @@ notebook 07 draws them.
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import time
 from typing import Any
 
-from .docs_report import machine_line, publish
+from .registry import experiment, option
+from .report import md_table
 
 QUESTIONS = [
     "What is 2 + 2? Answer with the number only.", "Name a primary colour. One word.",
@@ -98,6 +97,7 @@ def run_admission(model, tokenizer, prompts: list, params, admission: str,
 
 
 def _pct(xs: list[float], q: float) -> float:
+    """The order statistic nearest to q (no interpolation: a tick is a whole tick)."""
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
@@ -106,63 +106,45 @@ def chat_prompts(n: int) -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(n)]
 
 
-def table(runs: list[dict[str, Any]]) -> str:
-    rows = ["| admission | rows side by side, mean / max | KV pool holding tokens, mean | "
-            "output tok/s | TTFT p50 / p90 | e2e p50 / p90 | preemptions | tokens recomputed |",
-            "|---|---|---|---|---|---|---|---|"]
-    for r in runs:
-        rows.append(f"| `{r['admission']}` | {r['rows_mean']:.1f} / {r['rows_max']} | "
-                    f"{100 * r['kv_used_mean']:.0f}% | {r['tok_per_s']:.1f} | "
-                    f"{r['ttft_p50']:.1f} / {r['ttft_p90']:.1f} s | "
-                    f"{r['e2e_p50']:.1f} / {r['e2e_p90']:.1f} s | {r['preemptions']} | "
-                    f"{r['recomputed_tokens']} |")
-    return "\n".join(rows)
+def table(runs: list[dict[str, Any]]) -> list[str]:
+    return md_table(["admission", "rows side by side, mean / max", "KV pool holding tokens, mean",
+                     "output tok/s", "TTFT p50 / p90", "e2e p50 / p90", "preemptions",
+                     "tokens recomputed"],
+                    [[f"`{r['admission']}`", f"{r['rows_mean']:.1f} / {r['rows_max']}",
+                      f"{100 * r['kv_used_mean']:.0f}%", f"{r['tok_per_s']:.1f}",
+                      f"{r['ttft_p50']:.1f} / {r['ttft_p90']:.1f} s",
+                      f"{r['e2e_p50']:.1f} / {r['e2e_p90']:.1f} s", r["preemptions"],
+                      r["recomputed_tokens"]] for r in runs])
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("-n", type=int, default=16, help="requests (default 16)")
-    p.add_argument("--num-blocks", type=int, default=48)
-    p.add_argument("--max-tokens", type=int, default=192)
-    p.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md")
-    args = p.parse_args(argv)
-    import torch
-
+@experiment("admission", option("-n", type=int, default=16, help="requests"),
+            option("--num-blocks", type=int, default=48), option("--max-tokens", type=int, default=192))
+def admission(bench):
+    """Reserve or preempt (P6): one workload, the same KV budget, both admission settings."""
     from .. import SamplingParams
-    from ..models import load_model
 
-    torch.manual_seed(0)
-    model, tokenizer = load_model(None, "float32", "cpu")
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    cfg = dict(backend="paged", max_batch_size=8, num_blocks=args.num_blocks, block_size=16,
+    a = bench.args
+    model, tokenizer = bench.model()
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
+    cfg = dict(backend="paged", max_batch_size=8, num_blocks=a.num_blocks, block_size=16,
                prefill_chunk_size=256)
-    load = os.getloadavg()
-    runs = [run_admission(model, tokenizer, chat_prompts(args.n), params, a, **cfg)
-            for a in ("reserve", "preempt")]
+    runs = [run_admission(model, tokenizer, chat_prompts(a.n), params, mode, **cfg)
+            for mode in ("reserve", "preempt")]
     same = runs[0]["token_ids"] == runs[1]["token_ids"]
-    ratio = runs[1]["tok_per_s"] / runs[0]["tok_per_s"]
-    md = "\n".join([
+    pre = runs[1]
+    bench.publish("admission", [
         "## Reserve or preempt (P6)", "",
-        f"`python -m minserve.bench.admission`: {args.n} chat questions (short answers and "
-        f"long ones, EOS honoured, max_tokens {args.max_tokens}) sent at t=0, the embedded "
-        f"SmolLM2, paged backend, batch 8, chunks of 256, a pool of {args.num_blocks} blocks x "
-        f"16 = {args.num_blocks * 16} tokens of KV; one run each.", "",
-        table(runs), "",
-        f"Output throughput preempt / reserve: **{ratio:.2f}x**; the replies are "
-        f"{'token for token the same' if same else 'NOT the same (a bug)'} under both. "
-        f"Reserve holds room for {args.max_tokens} tokens per row that most replies never "
-        "use, so it runs fewer rows side by side and the pool holds fewer real tokens; "
-        "preempt fills the pool"
-        + (f" and paid with {runs[1]['preemptions']} "
-           f"preemption{'s' if runs[1]['preemptions'] != 1 else ''} "
-           f"({runs[1]['recomputed_tokens']} tokens recomputed) when long replies outgrew it"
-           if runs[1]["preemptions"] else
-           "; on this run no reply outgrew the pool, so nothing was preempted")
-        + ". Notebook 07 draws both settings tick by tick on a small model.", "",
-        f"Load average (1 min) at the start / end: {load[0]:.1f} / {os.getloadavg()[0]:.1f} "
-        "on 2 cores (absolute rates drop under load; compare the ratio).", "", machine_line()])
-    publish("admission", md, write=not args.no_docs)
-
-
-if __name__ == "__main__":
-    main()
+        f"`minserve bench admission`: {a.n} chat questions (short answers and long ones, EOS "
+        f"honoured, max_tokens {a.max_tokens}) sent at t=0, the embedded SmolLM2, paged backend, "
+        f"batch 8, chunks of 256, a pool of {a.num_blocks} blocks x 16 = {a.num_blocks * 16} "
+        "tokens of KV; one run each.", "", *table(runs), "",
+        f"Output throughput preempt / reserve: **{pre['tok_per_s'] / runs[0]['tok_per_s']:.2f}x**; "
+        f"the replies are {'token for token the same' if same else 'NOT the same (a bug)'} under "
+        f"both. Reserve holds room for {a.max_tokens} tokens per row that most replies never "
+        "use, so it runs fewer rows side by side and the pool holds fewer real tokens; preempt "
+        "fills the pool"
+        + (f" and paid with {pre['preemptions']} preemption{'s' if pre['preemptions'] != 1 else ''}"
+           f" ({pre['recomputed_tokens']} tokens recomputed) when long replies outgrew it"
+           if pre["preemptions"] else "; on this run no reply outgrew the pool, so nothing was "
+           "preempted") + ". Notebook 07 draws both settings tick by tick on a small model. "
+        "Absolute rates drop under load; compare the ratio."])

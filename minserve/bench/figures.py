@@ -6,7 +6,7 @@ right after it, invisible once the Markdown is rendered:
     a 6,000-token prompt froze a concurrent stream for 25.5<!-- fig:long_prompt.monolithic_gap_s --> s
 
 `docs/figures.json` holds each figure's value and where it comes from. Whoever measures
-a figure writes it there (`python -m minserve.bench.long_prompt`, `scripts/core_size.py
+a figure writes it there (`minserve bench long-prompt`, `scripts/core_size.py
 --write`, `scripts/refresh_notebooks.py`, or a person: `python -m minserve.bench.figures
 set make_test.minutes 8.5`), and `sync()` rewrites every marked number in the docs,
 keeping the precision the prose chose ("2,500" stays rounded to hundreds, "25.5" to one

@@ -1,8 +1,10 @@
 """On a GPU: output tokens per second of HF's two ways and minserve's paths, and how busy
 the GPU is during one decode tick (SPEC D5; docs/benchmarks.md, "On a GPU").
 
-    python -m minserve.bench.gpu --device cuda              # both shapes, ~10 min on an H200
-    python -m minserve.bench.gpu --device cpu --quick       # a smoke run of this file, any machine
+    minserve bench gpu --device cuda              # both shapes, ~10 min on an H200
+    minserve bench gpu --device cpu --quick       # a smoke run of this file, any machine
+
+(`python -m minserve.bench gpu ...` is the same command without the server's imports.)
 
 Random weights of named shapes (the embedded model's GGUF need not travel to the GPU
 machine): SmolLM2-135M's and Llama-3.2-1B's, the output head scaled as `models.tiny_llama`
@@ -25,7 +27,6 @@ synchronisations a tick makes.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
@@ -33,6 +34,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from .registry import experiment, option
 
 SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
@@ -151,6 +154,7 @@ def profile_tick(model, batch: int, device: str, dtype: str, cfg: dict, vocab: i
                  ticks: int = 20) -> dict:
     """One decode tick at `batch` rows under torch.profiler: wall vs device-busy time, kernel
     launches and host synchronisations per tick."""
+
     from torch.profiler import ProfilerActivity, profile
 
     from .. import Engine, EngineConfig, SamplingParams
@@ -233,28 +237,23 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 elsewhere")
-    ap.add_argument("--shapes", nargs="+", default=None, choices=list(SHAPES))
-    ap.add_argument("--requests", type=int, default=None)
-    ap.add_argument("--batch", type=int, default=None)
-    ap.add_argument("--quick", action="store_true", help="a smoke run: tiny shape, few tokens")
-    ap.add_argument("--out", default=None, help="write gpu.json and gpu.md into this folder")
-    a = ap.parse_args(argv)
+@experiment("gpu", option("--device", default="cuda"),
+            option("--dtype", default=None, help="default: bfloat16 on CUDA, float32 elsewhere"),
+            option("--shapes", nargs="+", default=None, choices=list(SHAPES)),
+            option("--requests", type=int, default=None), option("--batch", type=int, default=None),
+            option("--quick", action="store_true", help="a smoke run: tiny shape, few tokens"),
+            option("--out", default=None, help="write gpu.json and gpu.md into this folder"))
+def gpu(bench):
+    """On a GPU: HF's two ways and minserve's paths, tokens/s, and a decode tick profiled."""
+    a = bench.args
     dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
     shapes = a.shapes or (["tiny"] if a.quick else ["smollm2-135m", "llama-3.2-1b"])
     res = run(shapes, a.device, dtype, a.requests or (8 if a.quick else 128),
               a.batch or (4 if a.quick else 64), a.quick)
-    md = markdown(res)
+    res["conditions"] = bench.conditions.as_dict()
+    md = markdown(res) + "\n\n" + bench.conditions.line()
     print(md)
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "gpu.json").write_text(json.dumps(res, indent=1))
         (Path(a.out) / "gpu.md").write_text(md + "\n")
-
-
-if __name__ == "__main__":
-    main()

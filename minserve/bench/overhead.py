@@ -14,10 +14,9 @@ tick spent outside the model's forward (forward hooks time the forward inside
 the tick itself).
 
 We put B equal-length prompts in the decode batch (no padding, so both do the
-same arithmetic), then alternate: one engine tick, one bare step, each growing
-its own KV by one column; the order flips every pair so neither always runs
-"second" on a busy machine. Only pure decode ticks count (nothing admitted,
-prefilled or evicted).
+same arithmetic), then interleave (timing.py): one engine tick, one bare step, each
+growing its own KV by one column, the order flipping every pair. Only pure decode
+ticks count (nothing admitted, prefilled or evicted), with their pair.
 
 `profile_ticks` runs the same ticks under cProfile: where the non-forward time goes.
 """
@@ -28,14 +27,15 @@ import cProfile
 import io
 import pstats
 import statistics
-import time
 from typing import Any
 
 import numpy as np
 import torch
 
+from .timing import ForwardClock, interleave
 
-def _fill_decode_batch(engine, batch_size: int, prompt_len: int, n_ticks: int, seed: int):
+
+def fill_decode_batch(engine, batch_size: int, prompt_len: int, n_ticks: int, seed: int):
     """Submit B prompts of prompt_len random ids and step until all are decoding."""
     from ..sampling import SamplingParams
 
@@ -72,33 +72,14 @@ class _BareDecoder:
         self.cache = out["cache"] if "cache" in out else out["past_key_values"]  # 5.x renamed it
         self.tok = out.logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
 
-    @torch.inference_mode()
     def step(self) -> None:
         pos = self.mask.sum(dim=1, keepdim=True)  # (B, 1)
         self.mask = torch.cat([self.mask, torch.ones_like(self.tok)], dim=1)
-        out = self.model(input_ids=self.tok, attention_mask=self.mask, position_ids=pos,
-                         use_cache=True, **{self.cache_arg: self.cache})
+        with torch.inference_mode():
+            out = self.model(input_ids=self.tok, attention_mask=self.mask, position_ids=pos,
+                             use_cache=True, **{self.cache_arg: self.cache})
         self.tok = out.logits[:, -1].argmax(-1, keepdim=True)
         self.tok.tolist()  # the host needs the tokens, as the engine does
-
-
-class _ForwardClock:
-    """Forward hooks on the model's top module: how long its forward took, call by call."""
-
-    def __init__(self, model) -> None:
-        self.spent, self._t = 0.0, 0.0
-        self._handles = [model.register_forward_pre_hook(self._pre),
-                         model.register_forward_hook(self._post)]
-
-    def _pre(self, *_):
-        self._t = time.perf_counter()
-
-    def _post(self, *_):
-        self.spent += time.perf_counter() - self._t
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
 
 
 def measure_overhead(engine, batch_size: int = 8, prompt_len: int = 128, ticks: int = 24,
@@ -111,34 +92,30 @@ def measure_overhead(engine, batch_size: int = 8, prompt_len: int = 128, ticks: 
     * `outside_forward_pct`: within each tick, the share of time not spent inside
       the model's forward (timed by hooks; both parts see the same disturbances).
     """
-    prompts, handles = _fill_decode_batch(engine, batch_size, prompt_len, ticks + warmup, seed)
+    prompts, handles = fill_decode_batch(engine, batch_size, prompt_len, ticks + warmup, seed)
     bare = _BareDecoder(engine.model, prompts)
-    clock = _ForwardClock(engine.model)
-    tick_s, bare_s, fwd_s = [], [], []
-    try:
-        for k in range(warmup + ticks):
-            pair = {}
-            for which in (("engine", "bare") if k % 2 == 0 else ("bare", "engine")):
-                clock.spent = 0.0
-                t = time.perf_counter()
-                if which == "engine":
-                    rec = engine.step()
-                    fwd = clock.spent
-                else:
-                    bare.step()
-                pair[which] = time.perf_counter() - t
-            pure = (len(rec.decode.rows) == batch_size and not rec.admit.admitted
+    clock = ForwardClock(engine.model)
+    pure, fwd = [], []
+
+    def tick() -> None:
+        clock.spent = 0.0
+        rec = engine.step()
+        fwd.append(clock.spent)
+        pure.append(len(rec.decode.rows) == batch_size and not rec.admit.admitted
                     and not rec.prefill.chunks and not rec.evict.evicted)
-            if k >= warmup and pure:
-                tick_s.append(pair["engine"])
-                bare_s.append(pair["bare"])
-                fwd_s.append(fwd)
+
+    try:
+        times = interleave({"engine": tick, "bare": bare.step}, ticks, warmup)
     finally:
         clock.remove()
         for h in handles:
             h.cancel()
         while engine.scheduler.has_work():
             engine.step()
+    keep = [i for i, ok in enumerate(pure[warmup:]) if ok]
+    tick_s = [times["engine"][i] for i in keep]
+    bare_s = [times["bare"][i] for i in keep]
+    fwd_s = [fwd[warmup + i] for i in keep]
     tick, floor = statistics.median(tick_s), statistics.median(bare_s)
     outside = [(t - f) / t for t, f in zip(tick_s, fwd_s)]
     return {"batch_size": batch_size, "prompt_len": prompt_len, "ticks": len(tick_s),
@@ -157,7 +134,7 @@ def measure_overhead(engine, batch_size: int = 8, prompt_len: int = 128, ticks: 
 def profile_ticks(engine, batch_size: int = 8, prompt_len: int = 128, ticks: int = 16,
                   seed: int = 0, top: int = 25) -> str:
     """cProfile of `ticks` pure decode ticks: the top functions by own time, as text."""
-    _, handles = _fill_decode_batch(engine, batch_size, prompt_len, ticks, seed)
+    _, handles = fill_decode_batch(engine, batch_size, prompt_len, ticks, seed)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(ticks):

@@ -1,18 +1,45 @@
-"""Results out: JSON (everything, per request), a plotly HTML report, markdown tables.
+"""Results out: JSON (everything, per request), a plotly HTML report, markdown tables,
+and each experiment's own section of docs/benchmarks.md.
 
 Comparisons are ratios to minserve *from the same run* (same process, same
 workload, same minute of a shared machine): absolute tokens/s drift with
 whatever else the machine is doing; the ratio is what carries over.
+
+Several experiments share docs/benchmarks.md; each owns the text between its markers
+(`<!-- bench:NAME -->` ... `<!-- /bench:NAME -->`), so re-running one never clobbers
+another's figures, and the prose around the markers stays as written.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 from .targets import RunResult
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+
+
+def update_section(name: str, markdown: str, doc: Path = DOC) -> Path:
+    """Replace (or append) the section `name` of `doc` with `markdown`."""
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    block = f"<!-- bench:{name} -->\n{markdown.strip()}\n<!-- /bench:{name} -->"
+    pattern = re.compile(rf"<!-- bench:{re.escape(name)} -->.*?<!-- /bench:{re.escape(name)} -->", re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    doc.write_text(text)
+    return doc
+
+
+def md_table(header: list[str], rows: list[list[Any]], align: str = "---") -> list[str]:
+    """A markdown table's lines: the header, the rule, one line per row. `align` ("---:"
+    right) is every column's but a first column of labels, which stays left."""
+    first = align if rows and isinstance(rows[0][0], (int, float)) else "---"
+    return ["| " + " | ".join(header) + " |", f"|{first}|" + f"{align}|" * (len(header) - 1),
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
 
 
 def _fmt(x: float | None, scale: float = 1.0, digits: int = 2) -> str:

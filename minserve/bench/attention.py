@@ -1,29 +1,27 @@
 """Decode attention: the PyTorch version (`paged._attend`) against the C kernel.
 
-    python -m minserve.bench.attention_bench                 # ~1 min, then ~8 min for --ticks
-    python -m minserve.bench.attention_bench --no-ticks --no-docs
+    minserve bench attention                 # ~1 min, then ~8 min for the ticks
+    minserve bench attention --no-ticks --no-docs
 
 1. One layer's decode attention, SmolLM2-135M's shapes (9 query heads over 3 KV heads,
    head dim 64, blocks of 16), B rows that share a 330-token system prompt's blocks (as
    prefix caching leaves them) and then hold 16..288 tokens of their own in blocks
    scattered over the pool, as the chat workload does. Both ways on the same pool and
    tables, interleaved, medians; they must agree (checked each run).
-2. `--ticks` (default on): whole decode ticks of two engines on the embedded model, the
+2. Unless `--no-ticks`: whole decode ticks of two engines on the embedded model, the
    compact forward, one with `decode_attention="torch"` and one with `"kernel"`, the same
    B rows in each, ticks interleaved. What the kernel changes in what a user waits for.
 
-One torch thread, as `minserve serve` runs on 2 cores. Ratios are the figures to quote.
+One torch thread (`--threads` to change), as `minserve serve` runs on 2 cores.
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-
 import torch
 
-from .docs_report import machine_line, publish
+from .registry import experiment, option
+from .report import md_table
+from .timing import interleave, medians_ms
 
 SYSTEM_TOKENS, S, H, H_KV, D = 330, 16, 9, 3, 64
 
@@ -59,14 +57,8 @@ def layer_times(B: int, rounds: int = 60) -> dict[str, float]:
         return _attend(ctx[name], 0, ctx[name].groups[0], q, H_KV, D ** -0.5)
 
     torch.testing.assert_close(run("kernel"), run("torch"), rtol=1e-4, atol=1e-5)
-    times: dict[str, list[float]] = {"torch": [], "kernel": []}
-    for k in range(rounds + 2):
-        for name in ("torch", "kernel")[::1 if k % 2 else -1]:
-            t = time.perf_counter()
-            run(name)
-            if k >= 2:
-                times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(v) * 1e3 for name, v in times.items()}
+    return medians_ms(interleave({"torch": lambda: run("torch"), "kernel": lambda: run("kernel")},
+                                 rounds, warmup=2))
 
 
 def tick_times(model, tokenizer, B: int, ticks: int = 16) -> dict[str, float]:
@@ -89,60 +81,49 @@ def tick_times(model, tokenizer, B: int, ticks: int = 16) -> dict[str, float]:
         while len(e.scheduler.active) < B:
             e.step()
         engines[mode] = e
-    times: dict[str, list[float]] = {"torch": [], "kernel": []}
-    for k in range(ticks + 2):
-        for name in ("torch", "kernel")[::1 if k % 2 else -1]:
-            t = time.perf_counter()
-            rec = engines[name].step()
-            assert len(rec.decode.rows) == B, "not a pure decode tick"
-            if k >= 2:
-                times[name].append(time.perf_counter() - t)
+    def tick(name: str) -> None:
+        assert len(engines[name].step().decode.rows) == B, "not a pure decode tick"
+
+    times = interleave({"torch": lambda: tick("torch"), "kernel": lambda: tick("kernel")}, ticks,
+                       warmup=2)
     for e in engines.values():
         for r in list(e.scheduler.active):
             e.cancel(r.request_id)
         while e.scheduler.has_work():
             e.step()
-    return {name: statistics.median(v) * 1e3 for name, v in times.items()}
+    return medians_ms(times)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 2, 8, 16, 32])
-    p.add_argument("--no-ticks", dest="ticks", action="store_false")
-    p.add_argument("--no-docs", action="store_true")
-    args = p.parse_args(argv)
-    torch.set_num_threads(1)
-    rows = ["| batch | one layer, PyTorch (ms) | one layer, C kernel (ms) | kernel / PyTorch |",
-            "|---|---|---|---|"]
-    for B in args.batch:
+@experiment("attention", option("--batch", type=int, nargs="+", default=[1, 2, 8, 16, 32]),
+            option("--no-ticks", dest="ticks", action="store_false",
+                   help="only one layer's attention, not whole decode ticks"), threads=1)
+def attention(bench):
+    """Decode attention: PyTorch (`paged._attend`) against the C kernel, a layer and a tick."""
+    rows = []
+    for B in bench.args.batch:
         r = layer_times(B)
-        rows.append(f"| {B} | {r['torch']:.2f} | {r['kernel']:.2f} | {r['kernel'] / r['torch']:.2f} |")
+        rows.append([B, f"{r['torch']:.2f}", f"{r['kernel']:.2f}", f"{r['kernel'] / r['torch']:.2f}"])
         print(rows[-1], flush=True)
     ticks = []
-    if args.ticks:
-        from ..models import load_model
-
-        model, tok = load_model(None, "float32", "cpu")
-        ticks = ["", "| batch | decode tick, PyTorch attention (ms) | decode tick, C kernel (ms) "
-                 "| kernel / PyTorch |", "|---|---|---|---|"]
-        for B in args.batch:
+    if bench.args.ticks:
+        model, tok = bench.model()
+        for B in bench.args.batch:
             r = tick_times(model, tok, B)
-            ticks.append(f"| {B} | {r['torch']:.0f} | {r['kernel']:.0f} | "
-                         f"{r['kernel'] / r['torch']:.2f} |")
+            ticks.append([B, f"{r['torch']:.0f}", f"{r['kernel']:.0f}",
+                          f"{r['kernel'] / r['torch']:.2f}"])
             print(ticks[-1], flush=True)
-    md = "\n".join([
+    bench.publish("decode-attention", [
         "## Decode attention: PyTorch vs the C kernel", "",
-        "`python -m minserve.bench.attention_bench`: one layer's decode attention at "
-        "SmolLM2-135M's shapes (9 query heads over 3 KV heads, head dim 64, blocks of 16), "
-        f"B rows sharing a {SYSTEM_TOKENS}-token system prompt's blocks and holding 16-288 "
-        "tokens of their own in blocks scattered over the pool; `paged._attend` "
-        "(`decode_attention=\"torch\"`: gather, two batched matmuls, the shared prefix "
-        "read once) and `decode_kernel.c` (`\"kernel\"`: the blocks read in place), the same "
-        "pool and tables, checked equal, interleaved, medians. Then whole decode ticks of the "
-        "compact forward on the embedded model, one engine each way, ticks interleaved. "
-        "One torch thread.", "", *rows, *ticks, "", machine_line()])
-    publish("decode-attention", md, write=not args.no_docs)
-
-
-if __name__ == "__main__":
-    main()
+        "`minserve bench attention`: one layer's decode attention at SmolLM2-135M's shapes (9 "
+        "query heads over 3 KV heads, head dim 64, blocks of 16), B rows sharing a "
+        f"{SYSTEM_TOKENS}-token system prompt's blocks and holding 16-288 tokens of their own in "
+        "blocks scattered over the pool; `paged._attend` (`decode_attention=\"torch\"`: gather, "
+        "two batched matmuls, the shared prefix read once) and `decode_kernel.c` (`\"kernel\"`: "
+        "the blocks read in place), the same pool and tables, checked equal, interleaved, "
+        "medians. Then whole decode ticks of the compact forward on the embedded model, one "
+        "engine each way, ticks interleaved. One torch thread.", "",
+        *md_table(["batch", "one layer, PyTorch (ms)", "one layer, C kernel (ms)",
+                   "kernel / PyTorch"], rows),
+        *(["", *md_table(["batch", "decode tick, PyTorch attention (ms)",
+                          "decode tick, C kernel (ms)", "kernel / PyTorch"], ticks)]
+          if ticks else [])])

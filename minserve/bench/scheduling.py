@@ -1,0 +1,226 @@
+"""Scheduling, seen by the users it schedules: stalls, fairness, the demo's light user.
+
+`scheduling` replays fixed arrival traces in step mode (arrivals pinned to ticks, so
+every variant sees the same trace), wall-clock timed:
+  1. chunked vs monolithic prefill: four chat streams decode when a `--long`-token prompt
+     arrives; monolithic prefill freezes every stream for its whole forward, chunks do not.
+     Stream gaps (max, p99, p50), and the long prompt's TTFT (the price of chunking).
+  2. FCFS vs VTC: one heavy session floods the queue, three light ones send now and then.
+     TTFT per kind, and Jain's index of each session's share of its demand served 8 ticks
+     after the last light arrival (1: every session got the same share of what it asked).
+`long-prompt`: one chat streams 48 tokens; two tokens in, a `--prompt-tokens` document
+  arrives; per prefill setting, the stream's worst gap (the stall) and the document's TTFT.
+`demo-wait`: the chat demo's own logic (`chat.logic.ChatApp`, its default flood); a light
+  user's message 3 s in, under fair with the row cap, fair without, FCFS (docs/demo.md).
+"""
+
+from __future__ import annotations
+
+import time
+
+from .metrics import jain_index, percentile
+from .registry import experiment, option
+from .report import md_table
+
+
+def run_trace(engine, arrivals: dict[int, list[tuple]], at_tick=None) -> list:
+    """arrivals: tick -> [(prompt_ids, SamplingParams, session)]; step until done.
+    `at_tick(tick, handles)` is called before every tick. Returns the handles."""
+    handles, tick = [], 0
+    while tick <= max(arrivals) or engine.scheduler.has_work():
+        for ids, sp, session in arrivals.get(tick, []):
+            h = engine.submit(ids, sp, session_id=session)
+            h.session = session
+            handles.append(h)
+        if at_tick is not None:
+            at_tick(tick, handles)
+        engine.step()
+        tick += 1
+    return handles
+
+
+def chunked_vs_monolithic(bench, chunk: int, long_len: int) -> dict[str, list]:
+    from .. import SamplingParams
+
+    _, tok = bench.model()
+    chat = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                    tokenize=True) for q in
+            ("Tell me about rivers.", "Describe a forest.", "What is a star?", "Explain rain.")]
+    chat = [c["input_ids"] if hasattr(c, "keys") else c for c in chat]
+    long = [(13 * k) % 30000 + 200 for k in range(long_len)]
+    arrivals = {0: [(c, SamplingParams(max_tokens=48, ignore_eos=True), f"s{i}")
+                    for i, c in enumerate(chat)],
+                6: [(long, SamplingParams(max_tokens=4, ignore_eos=True), "long")]}
+    out = {}
+    for name, c in (("monolithic", 0), (f"chunked {chunk}", chunk)):
+        hs = run_trace(bench.engine(max_batch_size=8, prefill_chunk_size=c, max_model_len=4096,
+                                    enable_prefix_caching=False, num_blocks=400), arrivals)
+        gaps = []
+        for h in hs:
+            if h.session != "long":
+                times = [e.time for e in h.events if e.token_id is not None]
+                gaps += [b - a for a, b in zip(times, times[1:])]
+        ttft = next(h for h in hs if h.session == "long").output.timing["ttft"]
+        out[name] = [max(gaps), percentile(gaps, 99), percentile(gaps, 50), ttft]
+    return out
+
+
+def fcfs_vs_vtc(bench) -> dict[str, list]:
+    from .. import SamplingParams
+
+    heavy = [(list(range(300 + i, 400 + i)), SamplingParams(max_tokens=24, ignore_eos=True), "heavy")
+             for i in range(12)]
+    arrivals: dict[int, list] = {0: heavy}
+    for k, t in enumerate((3, 10, 18)):
+        for j in range(3):
+            arrivals.setdefault(t + j, []).append(
+                (list(range(50 + 10 * j + k, 70 + 10 * j + k)),
+                 SamplingParams(max_tokens=12, ignore_eos=True), f"light{j}"))
+    asked: dict[str, int] = {}
+    for _, sp, s in (a for arr in arrivals.values() for a in arr):
+        asked[s] = asked.get(s, 0) + sp.max_tokens
+    out = {}
+    for policy in ("fcfs", "fair"):
+        served: dict[str, int] = {}  # output tokens streamed by the cutoff
+
+        def cutoff(tick, handles, served=served):
+            if tick == max(arrivals) + 8:  # a few ticks after the last arrival: who got what
+                for h in handles:
+                    served[h.session] = served.get(h.session, 0) + sum(
+                        e.token_id is not None for e in h.events)
+
+        hs = run_trace(bench.engine(max_batch_size=4, policy=policy, enable_prefix_caching=False),
+                       arrivals, cutoff)
+        ttft = {s: [h.output.timing["ttft"] for h in hs if h.session == s] for s in asked}
+        light = [t for s in asked if s != "heavy" for t in ttft[s]]
+        out[policy] = [percentile(light, 50), percentile(light, 99), percentile(ttft["heavy"], 50),
+                       percentile(ttft["heavy"], 99),
+                       jain_index(served.get(s, 0) / asked[s] for s in sorted(asked)) or 0.0]
+    return out
+
+
+@experiment("scheduling", option("--chunk", type=int, default=128),
+            option("--long", type=int, default=2000, help="the long prompt's tokens"))
+def scheduling(bench):
+    """Chunked vs monolithic prefill (stream stalls); FCFS vs VTC (fairness)."""
+    a = bench.args
+    cm, fv = chunked_vs_monolithic(bench, a.chunk, a.long), fcfs_vs_vtc(bench)
+    mono, chk = cm["monolithic"], cm[f"chunked {a.chunk}"]
+    bench.publish("scheduling", [
+        "## Scheduling: chunked prefill and fairness", "",
+        "`minserve bench scheduling` — embedded SmolLM2-135M, fp32, step mode on a fixed "
+        "arrival trace (arrivals pinned to ticks), wall-clock times.", "",
+        f"**Chunked vs monolithic prefill**: 4 chat streams decoding (48 tokens each) when a "
+        f"{a.long}-token prompt arrives at tick 6.", "",
+        *md_table(["prefill", "stream gap max", "stream gap p99", "stream gap p50",
+                   "long prompt TTFT"],
+                  [[n, f"{r[0]:.2f} s", f"{r[1]:.2f} s", f"{r[2]:.3f} s", f"{r[3]:.2f} s"]
+                   for n, r in cm.items()], "---:"), "",
+        f"Max gap monolithic / chunked: **{mono[0] / chk[0]:.1f}x**; the long prompt's TTFT "
+        f"costs {chk[3] / mono[3]:.2f}x.", "",
+        "**FCFS vs VTC**: one heavy session sends 12 requests (100-token prompts, 24 new "
+        "tokens) at tick 0; three light sessions each send 3 requests (20-token prompts, 12 "
+        "new tokens) around ticks 3, 10 and 18; max_batch_size 4.", "",
+        *md_table(["policy", "light TTFT p50", "light TTFT p99", "heavy TTFT p50",
+                   "heavy TTFT p99", "Jain (share of demand served)"],
+                  [[n, *(f"{x:.2f} s" for x in r[:4]), f"{r[4]:.3f}"] for n, r in fv.items()],
+                  "---:")])
+
+
+STREAM = [{"role": "user", "content": "Count slowly from one to fifty, one number per line."}]
+
+
+def stall(bench, prefill_chunk_size: int, prompt_tokens: int, mixed: bool = False) -> dict:
+    """Step the engine by hand, timing every token of the stream. `mixed`: Version B
+    (mixed_batch on the paged backend), else the padded backend."""
+    from .. import SamplingParams
+
+    engine = bench.engine(max_batch_size=8, max_model_len=8192, enable_prefix_caching=False,
+                          prefill_chunk_size=prefill_chunk_size,
+                          **({"backend": "paged", "prefill_mode": "mixed_batch"} if mixed else {}))
+    doc_ids = [(37 * k) % 4000 + 100 for k in range(prompt_tokens)]  # no chat template
+    stream = engine.submit(STREAM, SamplingParams(max_tokens=48, ignore_eos=True))
+    long, stamps, long_t0, long_ttft = None, [], 0.0, None
+    while not (stream.finished and (long is None or long.finished)):
+        if long is None and len(stamps) >= 2:
+            long = engine.submit(doc_ids, SamplingParams(max_tokens=4, ignore_eos=True))
+            long_t0 = time.perf_counter()
+        engine.step()
+        now = time.perf_counter()
+        stamps += [now] * (sum(ev.token_id is not None for ev in stream.events) - len(stamps))
+        if long is not None and long_ttft is None and long.events:
+            long_ttft = now - long_t0
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {"chunk": prefill_chunk_size, "mixed": mixed, "max_gap_s": max(gaps),
+            "stream_s": stamps[-1] - stamps[0], "long_ttft_s": long_ttft}
+
+
+@experiment("long-prompt",
+            option("--prompt-tokens", type=int, default=6000, help="the long prompt's length"),
+            option("--chunks", type=int, nargs="+", default=[0, 512, 256, 128],
+                   help="prefill_chunk_size values, padded backend (0: monolithic)"),
+            option("--mixed-chunks", type=int, nargs="*", default=[256],
+                   help="chunk sizes to run as mixed_batch (Version B) on the paged backend"))
+def long_prompt(bench):
+    """One long prompt beside a streaming user: how long the stream stalls."""
+    a = bench.args
+    runs = [stall(bench, c, a.prompt_tokens) for c in a.chunks]
+    runs += [stall(bench, c, a.prompt_tokens, mixed=True) for c in a.mixed_chunks]
+    rows = [["monolithic" if r["chunk"] == 0 else f"mixed_batch (paged), {r['chunk']} tokens"
+             if r["mixed"] else f"chunked, {r['chunk']} tokens", f"**{r['max_gap_s']:.2f} s**",
+             f"{r['stream_s']:.1f} s", f"{r['long_ttft_s']:.1f} s"] for r in runs]
+    command = f"minserve bench long-prompt --prompt-tokens {a.prompt_tokens}"
+    bench.publish("long-prompt-stall", [
+        "### One long prompt beside a streaming user", "",
+        f"A chat streams 48 tokens; two tokens in, a {a.prompt_tokens:,}-token document arrives "
+        "(embedded SmolLM2, fp32, batch 8, stepped by hand). The stream's worst gap between two "
+        "tokens is the stall the document's prefill causes; its first token is timed from its "
+        f"arrival. `{command}` (one run each):", "",
+        *md_table(["prefill", "stream's worst gap", "stream's 48 tokens took",
+                   "long prompt's first token"], rows)])
+    bench.record({(f"long_prompt.{'mixed' if r['mixed'] else 'chunked'}_{r['chunk']}_gap_s"
+                   if r["chunk"] else "long_prompt.monolithic_gap_s"): round(r["max_gap_s"], 2)
+                  for r in runs}, command)
+
+
+def light_user_ttft(bench, flood_start_s: float = 3.0, **engine_cfg) -> dict:
+    from .. import SamplingParams
+    from ..chat.logic import FLOOD_DEFAULTS, ChatApp, app_defaults
+
+    policy = engine_cfg.pop("policy", "fair")
+    engine = bench.engine(**{**app_defaults(policy), "policy": policy, **engine_cfg})
+    app = ChatApp(engine)  # starts the worker, as the demo does
+    try:
+        app.noisy.start(**FLOOD_DEFAULTS)
+        time.sleep(flood_start_s)
+        t0 = time.perf_counter()
+        h = engine.submit([{"role": "user", "content": "What is the capital of France? Answer "
+                            "in one sentence."}], SamplingParams(max_tokens=16, temperature=0.0),
+                          session_id="user-light")
+        next(iter(h))
+        ttft = time.perf_counter() - t0
+        h.cancel()
+        return {"policy": policy, "cap": engine.config.max_rows_per_session, "ttft_s": ttft}
+    finally:
+        app.noisy.stop()
+        app.close()
+
+
+@experiment("demo-wait")
+def demo_wait(bench):
+    """The chat demo's light user: first token under its flood (docs/demo.md)."""
+    from .report import DOC
+
+    runs = [light_user_ttft(bench),  # the demo's defaults: fair + its row cap
+            light_user_ttft(bench, max_rows_per_session=None),
+            light_user_ttft(bench, policy="fcfs")]  # the demo's fcfs: no cap
+    rows = [[f"{r['policy']}, " + (f"row cap {r['cap']} per session" if r["cap"] else "no row cap"),
+             f"**{r['ttft_s']:.1f} s**"] for r in runs]
+    bench.publish("light-user-wait", [
+        "A light user's chat sent 3 s into the default flood (48 requests, 24 in flight, "
+        "replies up to 128 tokens), batch 8, the embedded SmolLM2 on this machine's CPU; "
+        "`minserve bench demo-wait` (one run each):", "",
+        *md_table(["engine", "light user's first token after"], rows)], doc=DOC.parent / "demo.md")
+    bench.record({n: round(r["ttft_s"], 1) for n, r in zip(
+        ("demo_wait.fair_cap_s", "demo_wait.fair_nocap_s", "demo_wait.fcfs_s"), runs)},
+        "minserve bench demo-wait, one run each")

@@ -1,0 +1,143 @@
+"""The engine against Hugging Face `generate` on one static batch: quiet, then busy.
+
+`decode-throughput`: for each batch size B, B prompts of mixed lengths, each generating
+exactly `--new-tokens` tokens (EOS ignored on both sides, so the work is identical):
+one `model.generate` call (left-padded, HF's static batch) against `Engine.generate`
+with max_batch_size=B (padded backend, monolithic prefill), i.e. the same batch through
+the scheduler, the per-row sampling and the streaming path. Tokens/s count generated
+tokens over wall time, prefill included on both sides; the ratio is the figure to read.
+
+`busy`: the same comparison on a small workload with `--hogs` CPU-bound processes
+beside it, at 2 torch threads and at 1. Each of a tick's hundreds of small operators is
+a parallel region whose threads meet at a barrier; when other processes hold the cores
+one thread is often descheduled and the other waits at every barrier. With one thread
+there is no barrier to wait at.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+from .registry import experiment, option
+from .report import md_table
+
+TEXT = ("The history of computing is a story of layers: transistors become gates, gates become "
+        "adders, adders become processors, and processors run the programs that people write. "
+        "Each layer hides the one below it, and each new layer makes new things possible. ")
+
+
+def prompts_for(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of mixed lengths (8..~200 tokens), deterministic."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = tokenizer(TEXT * 6, add_special_tokens=False)["input_ids"]
+    out = []
+    for _ in range(n):
+        start = int(torch.randint(0, 40, (1,), generator=g))
+        out.append(ids[start:start + int(torch.randint(8, 200, (1,), generator=g))])
+    return out
+
+
+def hf_generate_s(model, prompts: list[list[int]], new_tokens: int, pad: int = 0) -> float:
+    """Seconds of one left-padded `generate` call running every prompt to `new_tokens`."""
+    import torch
+
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # (B, L)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+    assert out.shape[1] - width == new_tokens
+    return time.perf_counter() - t0
+
+
+@experiment("decode-throughput",
+            option("--batch", type=int, nargs="+", default=[8, 32]),
+            option("--new-tokens", type=int, default=64))
+def decode_throughput(bench):
+    """Decode throughput of the engine vs HF `generate`, one static batch each."""
+    from .. import SamplingParams
+
+    model, tok = bench.model()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    n = bench.args.new_tokens
+    hf_generate_s(model, prompts_for(tok, 2), 4, pad)  # warm-up
+    rows = []
+    for b in bench.args.batch:
+        prompts = prompts_for(tok, b, seed=b)
+        hf = b * n / hf_generate_s(model, prompts, n, pad)
+        engine = bench.engine(max_batch_size=b, enable_prefix_caching=False)
+        engine.trace = []
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+        ms = b * n / (time.perf_counter() - t0)
+        assert all(len(o.token_ids) == n for o in outs)
+        dec = [r for r in engine.trace if r.decode.rows and not r.prefill.chunks]  # decode only
+        ms_dec = sum(len(r.decode.rows) for r in dec) / sum(r.duration_s for r in dec)
+        rows.append([b, f"{hf:.1f}", f"{ms:.1f}", f"{ms_dec:.1f}", f"{ms / hf:.2f}"])
+        print(rows[-1], flush=True)
+    bench.publish("core-throughput", [
+        "## Engine core: decode throughput vs HF `generate`", "",
+        f"`minserve bench decode-throughput` — embedded SmolLM2-135M, fp32, {n} new tokens per "
+        "request (EOS ignored), mixed prompt lengths 8–200, padded backend, one static batch on "
+        "both sides, prefill included.", "",
+        *md_table(["batch", "HF generate tok/s", "minserve tok/s", "minserve decode ticks tok/s",
+                   "minserve / HF"], rows, "---:")])
+
+
+def _hog(stop) -> None:  # a CPU-bound neighbour
+    x = 0
+    while not stop.is_set():
+        for _ in range(100_000):
+            x += 1
+
+
+@experiment("busy", option("--hogs", type=int, nargs="+", default=[0, 6],
+                           help="busy-loop processes to run beside the measurement"),
+            option("--thread-counts", type=int, nargs="+", default=[2, 1], help="torch threads"))
+def busy(bench):
+    """minserve and HF `generate` with CPU-bound neighbours, at 2 and 1 torch threads."""
+    import torch
+
+    from .. import SamplingParams
+
+    model, _ = bench.model()
+    prompts = [[(13 * i + 7 * k) % 20000 + 100 for k in range(64)] for i in range(16)]
+
+    def tok_s(threads: int) -> tuple[float, float]:
+        torch.set_num_threads(threads)
+        engine = bench.engine(max_batch_size=8, enable_prefix_caching=False)
+        t = time.perf_counter()
+        engine.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
+        ms = time.perf_counter() - t
+        hf = sum(hf_generate_s(model, prompts[i:i + 8], 32) for i in (0, 8))  # 2 batches of 8
+        return 16 * 32 / ms, 16 * 32 / hf
+
+    tok_s(2)  # warm-up
+    rows = []
+    for hogs in bench.args.hogs:
+        stop = mp.Event()
+        procs = [mp.Process(target=_hog, args=(stop,), daemon=True) for _ in range(hogs)]
+        for p in procs:
+            p.start()
+        try:
+            for threads in bench.args.thread_counts:
+                ms, hf = tok_s(threads)
+                rows.append([hogs, threads, f"{ms:.1f}", f"{hf:.1f}", f"**{ms / hf:.2f}x**"])
+                print(rows[-1], flush=True)
+        finally:
+            stop.set()
+            for p in procs:
+                p.join(5)
+    torch.set_num_threads(bench.conditions.threads)  # the conditions line reports the default
+    bench.publish("busy-machine", [
+        "### On a busy machine: torch threads", "",
+        "16 requests (64-token prompts, 32 new tokens, EOS ignored), batch 8: minserve "
+        "(padded, monolithic, step mode) and HF `generate` in two static batches, with "
+        "CPU-bound busy-loop processes beside them. `minserve bench busy` (one run each):", "",
+        *md_table(["busy neighbours", "torch threads", "minserve tok/s", "HF generate tok/s",
+                   "minserve / HF"], rows)])
