@@ -21,7 +21,7 @@ import torch
 
 from .registry import experiment, option
 from .report import md_table
-from .timing import interleave, medians_ms
+from .timing import decoding, drain, interleave, medians_ms
 
 SYSTEM_TOKENS, S, H, H_KV, D = 330, 16, 9, 3, 64
 
@@ -76,21 +76,15 @@ def tick_times(model, tokenizer, B: int, ticks: int = 16) -> dict[str, float]:
                            prefill_mode="mixed_batch", prefill_chunk_size=256)
         e = Engine(cfg, model=model, tokenizer=tokenizer)
         e.generate([system + [5]], SamplingParams(max_tokens=1))  # cache the system prompt
-        for p in prompts:
-            e.submit(p, SamplingParams(max_tokens=ticks + 8, ignore_eos=True))
-        while len(e.scheduler.active) < B:
-            e.step()
-        engines[mode] = e
+        engines[mode] = e, decoding(e, prompts, ticks + 8)
+
     def tick(name: str) -> None:
-        assert len(engines[name].step().decode.rows) == B, "not a pure decode tick"
+        assert len(engines[name][0].step().decode.rows) == B, "not a pure decode tick"
 
     times = interleave({"torch": lambda: tick("torch"), "kernel": lambda: tick("kernel")}, ticks,
                        warmup=2)
-    for e in engines.values():
-        for r in list(e.scheduler.active):
-            e.cancel(r.request_id)
-        while e.scheduler.has_work():
-            e.step()
+    for e, handles in engines.values():
+        drain(e, handles)
     return medians_ms(times)
 
 

@@ -15,7 +15,8 @@ A shared 2-core machine drifts by tens of percent from one minute to the next, s
 
 `ForwardClock` times the model's forward inside a tick with hooks: the share of a tick
 spent outside the forward then comes from one measurement, which the machine's noise
-hits alike.
+hits alike. `decoding` fills an engine's decode batch (so the ticks timed are pure
+decode ticks) and `drain` empties it again.
 """
 
 from __future__ import annotations
@@ -88,3 +89,28 @@ class ForwardClock:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+def decoding(engine, prompts: list, max_tokens: int, **submit) -> list:
+    """Submit `prompts` (EOS ignored) and step `engine` until every one decodes; the handles."""
+    from ..sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    handles = [engine.submit(p, params, **submit) for p in prompts]
+    while len(engine.scheduler.active) < len(prompts):
+        if not engine.scheduler.has_work():
+            raise RuntimeError("requests ended before filling the batch (gates?): "
+                               f"{[h.events[-1] for h in handles]}")
+        engine.step()
+    return handles
+
+
+def drain(engine, handles=(), close: bool = False) -> None:
+    """Cancel `handles`, step `engine` until idle; `close`: the paged backend gives the
+    model its attention back."""
+    for h in handles:
+        h.cancel()
+    while engine.scheduler.has_work():
+        engine.step()
+    if close and hasattr(engine.scheduler.backend, "close"):
+        engine.scheduler.backend.close()
