@@ -21,7 +21,7 @@ import time
 from .overhead import fill_decode_batch
 from .registry import experiment, option
 from .report import md_table
-from .timing import ForwardClock, drain, fastest_ms, interleave, medians_ms
+from .timing import ForwardClock, decode_race, drain, fastest_ms, interleave, medians_ms
 
 GROUPS = {
     "weight matmuls (linear layers + head)": ("aten::mm", "aten::addmm",
@@ -131,16 +131,14 @@ def compact_ticks(model, tokenizer, B: int, prompt_len: int, ticks: int, warmup:
               torch.randn(B, runner.num_heads * runner.head_dim),
               torch.randn(B, runner.layers[0]["down"].shape[1]))
 
-    def tick(name: str) -> None:
-        spent[0] = 0.0
-        rec = engines[name].step()
-        assert len(rec.decode.rows) == B and not rec.prefill.chunks, "not a pure decode tick"
+    def seen(name: str, _) -> None:
         if name == "compact":
             fwd.append(spent[0])
+            spent[0] = 0.0
 
     with torch.inference_mode():
-        times = interleave({"hf": lambda: tick("hf"), "compact": lambda: tick("compact"),
-                            "floor": lambda: _floor_step(runner, inputs)}, ticks, warmup)
+        times = decode_race(engines, ticks, warmup, rows=B, seen=seen,
+                            floor=lambda: _floor_step(runner, inputs))
         shares = op_shares(engines["compact"].step, min(4, ticks))
     for e in engines.values():
         drain(e, handles, close=True)

@@ -15,7 +15,7 @@ import statistics
 
 from .registry import experiment, option
 from .report import md_table
-from .timing import decoding, interleave
+from .timing import decode_race, decoding
 
 SYSTEM = ("You are a meticulous assistant for a public library. You answer questions about "
           "opening hours, borrowing rules, late fees, events, study rooms, printing, and the "
@@ -51,13 +51,11 @@ def decode_ticks(bench, batch: int, ticks: int) -> tuple[float, float, float]:
                                         enable_prefix_caching=False, num_blocks=batch * 40)
         decoding(engines[backend], prompts, ticks + 8)  # admit + prefill everything
 
-    def tick(backend: str) -> None:
-        rec = engines[backend].step()
-        assert len(rec.decode.rows) == batch and not rec.prefill.chunks, "not a pure decode tick"
+    def seen(_, rec) -> None:
         if "padding_tokens" in rec.backend:
             waste.append(rec.backend["padding_tokens"] / (batch * rec.backend["width"]))
 
-    times = interleave({b: (lambda b=b: tick(b)) for b in engines}, ticks)
+    times = decode_race(engines, ticks, rows=batch, seen=seen)
     return (statistics.median(times["padded"]), statistics.median(times["paged"]),
             statistics.mean(waste) if waste else 0.0)
 

@@ -15,8 +15,8 @@ A shared 2-core machine drifts by tens of percent from one minute to the next, s
 
 `ForwardClock` times the model's forward inside a tick with hooks: the share of a tick
 spent outside the forward then comes from one measurement, which the machine's noise
-hits alike. `decoding` fills an engine's decode batch (so the ticks timed are pure
-decode ticks) and `drain` empties it again.
+hits alike. `decoding` fills an engine's decode batch, `decode_race` interleaves pure
+decode ticks of several engines so filled, and `drain` empties them again.
 """
 
 from __future__ import annotations
@@ -103,6 +103,21 @@ def decoding(engine, prompts: list, max_tokens: int, **submit) -> list:
                                f"{[h.events[-1] for h in handles]}")
         engine.step()
     return handles
+
+
+def decode_race(engines: dict, rounds: int, warmup: int = 1, rows: int | None = None,
+                seen: Callable | None = None, **sides) -> dict[str, list[float]]:
+    """`interleave` one tick of each of `engines` (each `decoding` its rows) and any other
+    `sides`; every tick must be a pure decode tick (of `rows` rows); `seen(name, record)`
+    after each."""
+    def tick(name: str) -> None:
+        rec = engines[name].step()
+        assert not rec.prefill.chunks and rows in (None, len(rec.decode.rows)), \
+            "not a pure decode tick"
+        if seen is not None:
+            seen(name, rec)
+
+    return interleave({**{n: (lambda n=n: tick(n)) for n in engines}, **sides}, rounds, warmup)
 
 
 def drain(engine, handles=(), close: bool = False) -> None:
