@@ -400,7 +400,7 @@ def first_run_note(path: Path = FIGURES) -> str:
     docs/figures.json (one place for a measured figure; this file runs from a checkout,
     which has it). Without the file: the same words, no numbers."""
     try:
-        from minserve.bench import figures
+        from minserve import figures
 
         fig = figures.load(path)
         secs, mb = fig["model.first_conversion_s"]["value"], fig["model.converted_mb"]["value"]

@@ -22,7 +22,7 @@ at the package top and in `backends/`, except the engine's front.
 The tiers are derived from the folders, not listed by hand, so a new module at the
 package top is counted as core unless it is named in FRONT. The README and
 docs/architecture.md quote the counts through docs/figures.json (`core.code_lines`,
-`core.all_lines`, `front.code_lines`, `fast.code_lines`; minserve/bench/figures.py), and
+`core.all_lines`, `front.code_lines`, `fast.code_lines`; minserve/figures/), and
 tests/test_docs_match_code.py fails when they disagree with a fresh count.
 """
 
@@ -90,6 +90,6 @@ if __name__ == "__main__":
         c, n = tier_size(tier)
         print(f"{'= ' + tier:28s} {c:5d} code / {n:5d} lines\n")
     if "--write" in sys.argv[1:]:
-        from minserve.bench.figures import record
+        from minserve.figures import record
 
         record(figures(), source="python scripts/core_size.py --write")

@@ -18,7 +18,7 @@ back diff-friendly:
 `--time-only` runs and times them, writing no notebook; `--record-times` records each
 lesson's run time (top to bottom, in a fresh kernel) in docs/figures.json as
 `notebooks.NN.run_s`, with the machine's load average at the start, and rewrites the
-times notebooks/README.md quotes (minserve/bench/figures.py). On a busy machine the
+times notebooks/README.md quotes (minserve/figures/). On a busy machine the
 times are not the ones a student meets: record them on a quiet one.
 
 Run it after changing the engine or a lesson, look at the diff, commit.
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
         if times_wanted and path.parent == NOTEBOOKS and path.name[:2].isdigit():
             times[f"notebooks.{path.name[:2]}.run_s"] = (round(seconds, 1), load)
     sys.path.insert(0, str(ROOT))
-    from minserve.bench.figures import record
+    from minserve.figures import record
 
     for name, (seconds, load) in times.items():
         record({name: seconds}, source=f"scripts/refresh_notebooks.py ({os.cpu_count()} CPUs, "

@@ -406,3 +406,24 @@ def test_every_published_section_says_its_threads_and_load_average(tmp_path):
                      r"[\d.]+ at the end, on \d+ cores_\n<!-- /bench:x -->", text), text
     Bench(argparse.Namespace(no_docs=True)).publish("x", ["## Y"], doc=doc)
     assert "## Y" not in doc.read_text()  # --no-docs: printed only
+
+
+def test_a_decode_race_times_pure_decode_ticks_only_and_drain_empties_the_engines(tiny_model):
+    from minserve.bench.timing import decode_race, decoding, drain
+
+    engines = {b: tiny_engine(tiny_model, backend=b) for b in ("padded", "paged")}
+    handles = [h for e in engines.values() for h in decoding(e, [[5, 6, 7], [8, 9]], 40)]
+    assert all(len(e.scheduler.active) == 2 for e in engines.values())
+    seen: list[str] = []
+    times = decode_race(engines, rounds=3, rows=2, seen=lambda name, rec: seen.append(name),
+                        bare=lambda: None)
+    assert {k: len(v) for k, v in times.items()} == {"padded": 3, "paged": 3, "bare": 3}
+    assert sorted(seen) == ["padded"] * 4 + ["paged"] * 4  # the warm-up round is seen too
+    from minserve import SamplingParams
+
+    engines["padded"].submit([11, 12, 13], SamplingParams(max_tokens=2))  # a prefill joins
+    with pytest.raises(AssertionError, match="not a pure decode tick"):
+        decode_race(engines, rounds=2, rows=2)
+    for e in engines.values():
+        drain(e, handles, close=True)
+        assert e.scheduler.is_drained()

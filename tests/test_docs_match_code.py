@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from minserve.bench import figures
+from minserve import figures
 from minserve.policies import Policy
 
 from .conftest import load_script
@@ -108,7 +108,7 @@ def test_the_core_line_counts_in_the_docs_are_a_fresh_count_rounded():
 
 
 def test_every_marked_figure_in_the_prose_is_the_one_in_docs_figures_json():
-    assert figures.disagreements() == [], "python -m minserve.bench.figures sync"
+    assert figures.disagreements() == [], "python -m minserve.figures sync"
     marked = {m["name"] for p in PROSE for m in figures.MARKED.finditer(read(p))}
     assert {"long_prompt.monolithic_gap_s", "make_test.minutes", "core.code_lines"} <= marked
     assert all("source" in f for f in figures.load().values())

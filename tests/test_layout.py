@@ -5,7 +5,7 @@ Three tiers, as scripts/core_size.py counts them (its `FRONT` is the one list):
     core     the modules at the package top plus `backends/`, but the front
     front    `FRONT`: the package's __init__, engine.py (the composition root),
              streaming, models, explain, the command line
-    outer    the subpackages: server, inspection, chat, bench, peers, labs, and fast
+    outer    the subpackages: server, inspection, chat, bench, peers, labs, figures, and fast
              (the faster parts the engine hands the backends)
 
 Every `import` in the package (module level and inside functions alike: a lazy
@@ -27,10 +27,11 @@ import pytest
 from .conftest import load_script
 
 PKG = Path(__file__).resolve().parents[1] / "minserve"
-OUTER = ("server", "inspection", "chat", "bench", "peers", "labs", "fast")
+OUTER = ("server", "inspection", "chat", "bench", "peers", "labs", "figures", "fast")
 # what each outer layer may import besides the core, the front and itself (its __init__ says why)
 ALLOWED = {"server": set(), "inspection": set(), "chat": {"inspection", "server"},
-           "bench": {"chat", "fast"}, "peers": {"bench"}, "labs": {"bench"}, "fast": set()}
+           "bench": {"chat", "fast", "figures"}, "peers": {"bench"}, "labs": {"bench"},
+           "figures": set(), "fast": set()}
 
 
 FRONT = {"minserve" if name == "__init__.py" else "minserve." + name.removesuffix(".py")

@@ -12,7 +12,6 @@
     hf.py         the peers in process: HF static `generate` and continuous batching
     metrics.py    TTFT, ITL, TPOT, e2e, throughput, per session, Jain's index, refusals by gate
     report.py     JSON, plotly HTML, markdown tables, each experiment's docs section
-    figures.py    docs/figures.json: measured figures the prose quotes, kept in step
 
 The experiments, one concept per file: serving.py (+ overhead.py), throughput.py,
 kv.py, scheduling.py, admission.py, forward.py, attention.py, gpu.py.
@@ -24,8 +23,9 @@ kv.py, scheduling.py, admission.py, forward.py, attention.py, gpu.py.
 
 May import: the core and its front (it builds Engines), its own modules,
 `minserve.fast` (forward.py and attention.py time its parts against the readable
-versions) and `minserve.chat` (the demo-wait experiment measures the demo's own logic,
-not a copy of it); targets.py speaks HTTP to any OpenAI-compatible server through
-httpx, never through `minserve.server`. Imported by `minserve.peers` and `minserve.labs`;
+versions), `minserve.chat` (the demo-wait experiment measures the demo's own logic,
+not a copy of it) and `minserve.figures` (experiments record the figures the docs
+quote); targets.py speaks HTTP to any OpenAI-compatible server through httpx, never
+through `minserve.server`. Imported by `minserve.peers` and `minserve.labs`;
 never by the core.
 """

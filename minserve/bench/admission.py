@@ -24,6 +24,7 @@ from typing import Any
 
 from .registry import experiment, option
 from .report import md_table
+from .timing import drain
 
 QUESTIONS = [
     "What is 2 + 2? Answer with the number only.", "Name a primary colour. One word.",
@@ -78,9 +79,7 @@ def run_admission(model, tokenizer, prompts: list, params, admission: str,
     e2e = [o.timing["e2e"] for o in outs]
     stats = engine.stats()
     tokens = sum(len(o.token_ids) for o in outs)
-    close = getattr(s.backend, "close", None)  # paged: give the model its attention back
-    if close is not None:
-        close()
+    drain(engine, handles, close=True)  # (past max_ticks: the rest cancelled)
     return {"admission": admission, "ticks": s.tick_count, "wall_s": wall,
             "output_tokens": tokens, "tok_per_s": tokens / wall, "capacity": capacity,
             "rows_mean": statistics.mean(series["rows"]), "rows_max": max(series["rows"]),

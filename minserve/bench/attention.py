@@ -21,7 +21,7 @@ import torch
 
 from .registry import experiment, option
 from .report import md_table
-from .timing import interleave, medians_ms
+from .timing import decode_race, decoding, drain, interleave, medians_ms
 
 SYSTEM_TOKENS, S, H, H_KV, D = 330, 16, 9, 3, 64
 
@@ -69,28 +69,17 @@ def tick_times(model, tokenizer, B: int, ticks: int = 16) -> dict[str, float]:
     system = torch.randint(100, 40_000, (SYSTEM_TOKENS,), generator=g).tolist()
     prompts = [system + torch.randint(100, 40_000, (int(torch.randint(10, 120, (1,), generator=g)),),
                                       generator=g).tolist() for _ in range(B)]
-    engines = {}
+    engines, handles = {}, []
     for mode in ("torch", "kernel"):
         cfg = EngineConfig(device="cpu", backend="paged", model_runner="compact",
                            decode_attention=mode, max_batch_size=B + 1, num_blocks=64 * B + 64,
                            prefill_mode="mixed_batch", prefill_chunk_size=256)
         e = Engine(cfg, model=model, tokenizer=tokenizer)
         e.generate([system + [5]], SamplingParams(max_tokens=1))  # cache the system prompt
-        for p in prompts:
-            e.submit(p, SamplingParams(max_tokens=ticks + 8, ignore_eos=True))
-        while len(e.scheduler.active) < B:
-            e.step()
-        engines[mode] = e
-    def tick(name: str) -> None:
-        assert len(engines[name].step().decode.rows) == B, "not a pure decode tick"
-
-    times = interleave({"torch": lambda: tick("torch"), "kernel": lambda: tick("kernel")}, ticks,
-                       warmup=2)
+        engines[mode], handles = e, handles + decoding(e, prompts, ticks + 8)
+    times = decode_race(engines, ticks, warmup=2, rows=B)
     for e in engines.values():
-        for r in list(e.scheduler.active):
-            e.cancel(r.request_id)
-        while e.scheduler.has_work():
-            e.step()
+        drain(e, handles)
     return medians_ms(times)
 
 

@@ -21,7 +21,7 @@ import time
 from .overhead import fill_decode_batch
 from .registry import experiment, option
 from .report import md_table
-from .timing import ForwardClock, fastest_ms, interleave, medians_ms
+from .timing import ForwardClock, decode_race, drain, fastest_ms, interleave, medians_ms
 
 GROUPS = {
     "weight matmuls (linear layers + head)": ("aten::mm", "aten::addmm",
@@ -65,9 +65,7 @@ def tick_profile(bench):
             engine.step()
             ticks += 1
         wall = time.perf_counter() - t0
-        close = getattr(engine.scheduler.backend, "close", None)
-        if close is not None:  # paged: give the model its attention back
-            close()
+        drain(engine, close=True)
         return wall, ticks, engine.stats()["tokens_generated"]
 
     clocks = ForwardClock(model), ForwardClock(model.lm_head)
@@ -133,23 +131,17 @@ def compact_ticks(model, tokenizer, B: int, prompt_len: int, ticks: int, warmup:
               torch.randn(B, runner.num_heads * runner.head_dim),
               torch.randn(B, runner.layers[0]["down"].shape[1]))
 
-    def tick(name: str) -> None:
-        spent[0] = 0.0
-        rec = engines[name].step()
-        assert len(rec.decode.rows) == B and not rec.prefill.chunks, "not a pure decode tick"
+    def seen(name: str, _) -> None:
         if name == "compact":
             fwd.append(spent[0])
+            spent[0] = 0.0
 
     with torch.inference_mode():
-        times = interleave({"hf": lambda: tick("hf"), "compact": lambda: tick("compact"),
-                            "floor": lambda: _floor_step(runner, inputs)}, ticks, warmup)
+        times = decode_race(engines, ticks, warmup, rows=B, seen=seen,
+                            floor=lambda: _floor_step(runner, inputs))
         shares = op_shares(engines["compact"].step, min(4, ticks))
-    for h in handles:
-        h.cancel()
     for e in engines.values():
-        while e.scheduler.has_work():
-            e.step()
-        e.scheduler.backend.close()
+        drain(e, handles, close=True)
     outside = statistics.median(t - f for t, f in zip(times["compact"], fwd[warmup:]))
     return {"B": B, **medians_ms(times), **{k + "_min": v for k, v in fastest_ms(times).items()},
             "outside_ms": outside * 1e3, "shares": shares}

@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 
 from .registry import experiment, option
+from .report import md_table
+from .throughput import hf_generate_s
 
 SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
@@ -86,22 +88,9 @@ def _sync(device: str) -> None:
 
 def hf_static(model, prompts, maxt, batch: int, device: str) -> float:
     """Tokens per second of `generate` over batches in arrival order (only asked tokens)."""
-    with torch.no_grad():
-        model.generate(torch.tensor([prompts[0]], device=device), max_new_tokens=2,
-                       do_sample=False, pad_token_id=0)  # warm-up
-    _sync(device)
-    t, n = time.perf_counter(), 0
-    for s in range(0, len(prompts), batch):
-        ps, ms = prompts[s:s + batch], maxt[s:s + batch]
-        L = max(map(len, ps))
-        ids = torch.tensor([[0] * (L - len(p)) + p for p in ps], device=device)
-        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in ps], device=device)
-        with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=max(ms),
-                           min_new_tokens=max(ms), do_sample=False, pad_token_id=0)
-        n += sum(ms)
-    _sync(device)
-    return n / (time.perf_counter() - t)
+    hf_generate_s(model, prompts[:1], 2, device=device)  # warm-up
+    return sum(maxt) / sum(hf_generate_s(model, prompts[s:s + batch], max(maxt[s:s + batch]),
+                                         device=device) for s in range(0, len(prompts), batch))
 
 
 def hf_continuous(model, prompts, maxt, batch: int, device: str) -> float:
@@ -220,21 +209,17 @@ def run(shapes, device: str, dtype: str, requests: int, batch: int, quick: bool)
 
 
 def markdown(res: dict) -> str:
-    names = ["HF static generate", "HF continuous batching", *PATHS]
     shapes = list(res["shapes"])
-    lines = [f"{res.get('gpu', res['device'])}, torch {res['torch']}, {res['dtype']}, "
-             f"{res['requests']} requests, at most {res['batch']} rows. Output tokens/s:", "",
-             "| | " + " | ".join(shapes) + " |", "|---|" + "---|" * len(shapes)]
-    for n in names:
-        lines.append(f"| {n} | " + " | ".join(str(res["shapes"][s].get(n)) for s in shapes) + " |")
-    lines += ["", f"One decode tick at {res['batch']} rows (torch.profiler, 20 ticks):", "",
-              "| shape | path | wall ms | GPU busy ms | busy share | launches | host syncs |",
-              "|---|---|---|---|---|---|---|"]
-    for s in shapes:
-        for n, p in res["shapes"][s]["profile"].items():
-            lines.append(f"| {s} | {n} | {p['wall_ms']} | {p['gpu_busy_ms']} | "
-                         f"{p['gpu_busy_share']} | {p['launches_per_tick']} | {p['syncs_per_tick']} |")
-    return "\n".join(lines)
+    return "\n".join([
+        f"{res.get('gpu', res['device'])}, torch {res['torch']}, {res['dtype']}, "
+        f"{res['requests']} requests, at most {res['batch']} rows. Output tokens/s:", "",
+        *md_table(["", *shapes], [[n, *(res["shapes"][s].get(n) for s in shapes)] for n in
+                                  ("HF static generate", "HF continuous batching", *PATHS)]), "",
+        f"One decode tick at {res['batch']} rows (torch.profiler, 20 ticks):", "",
+        *md_table(["shape", "path", "wall ms", "GPU busy ms", "busy share", "launches",
+                   "host syncs"], [[s, n, p["wall_ms"], p["gpu_busy_ms"], p["gpu_busy_share"],
+                                    p["launches_per_tick"], p["syncs_per_tick"]]
+                                   for s in shapes for n, p in res["shapes"][s]["profile"].items()])])
 
 
 @experiment("gpu", option("--device", default="cuda"),

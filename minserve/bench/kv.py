@@ -15,7 +15,7 @@ import statistics
 
 from .registry import experiment, option
 from .report import md_table
-from .timing import interleave
+from .timing import decode_race, decoding
 
 SYSTEM = ("You are a meticulous assistant for a public library. You answer questions about "
           "opening hours, borrowing rules, late fees, events, study rooms, printing, and the "
@@ -42,28 +42,20 @@ def decode_ticks(bench, batch: int, ticks: int) -> tuple[float, float, float]:
     """(padded, paged) median decode-only tick seconds, and the padded KV's padding share."""
     import torch
 
-    from .. import SamplingParams
-
     g = torch.Generator().manual_seed(batch)
     lengths = [int(x) for x in torch.randint(16, 512, (batch,), generator=g)]
     prompts = [[(7 * i + 3 * k) % 20000 + 100 for k in range(n)] for i, n in enumerate(lengths)]
     engines, waste = {}, []
     for backend in ("padded", "paged"):
-        engine = engines[backend] = bench.engine(max_batch_size=batch, backend=backend,
-                                                 enable_prefix_caching=False,
-                                                 num_blocks=batch * 40)
-        for p in prompts:
-            engine.submit(p, SamplingParams(max_tokens=ticks + 8, ignore_eos=True))
-        while len(engine.scheduler.active) < batch:  # admit + prefill everything
-            engine.step()
+        engines[backend] = bench.engine(max_batch_size=batch, backend=backend,
+                                        enable_prefix_caching=False, num_blocks=batch * 40)
+        decoding(engines[backend], prompts, ticks + 8)  # admit + prefill everything
 
-    def tick(backend: str) -> None:
-        rec = engines[backend].step()
-        assert len(rec.decode.rows) == batch and not rec.prefill.chunks, "not a pure decode tick"
+    def seen(_, rec) -> None:
         if "padding_tokens" in rec.backend:
             waste.append(rec.backend["padding_tokens"] / (batch * rec.backend["width"]))
 
-    times = interleave({b: (lambda b=b: tick(b)) for b in engines}, ticks)
+    times = decode_race(engines, ticks, rows=batch, seen=seen)
     return (statistics.median(times["padded"]), statistics.median(times["paged"]),
             statistics.mean(waste) if waste else 0.0)
 

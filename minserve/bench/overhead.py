@@ -32,29 +32,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from .timing import ForwardClock, interleave
+from .timing import ForwardClock, decoding, drain, interleave
 
 
 def fill_decode_batch(engine, batch_size: int, prompt_len: int, n_ticks: int, seed: int):
     """Submit B prompts of prompt_len random ids and step until all are decoding."""
-    from ..sampling import SamplingParams
-
     if engine.running:
         raise RuntimeError("measure the overhead in step mode: stop the engine's worker first")
     if engine.scheduler.has_work():
         raise RuntimeError("the engine must be idle")
     vocab = int(engine.model.config.vocab_size)
     rng = np.random.default_rng(seed)
-    lo = min(100, vocab // 4)
-    prompts = [rng.integers(lo, vocab, size=prompt_len).tolist() for _ in range(batch_size)]
-    params = SamplingParams(max_tokens=n_ticks + 4, ignore_eos=True)
-    handles = [engine.submit(p, params, session_id="overhead") for p in prompts]
-    while len(engine.scheduler.active) < batch_size:
-        if not engine.scheduler.has_work():
-            raise RuntimeError("requests ended before filling the batch (gates?): "
-                               f"{[h.events[-1] for h in handles]}")
-        engine.step()
-    return prompts, handles
+    prompts = [rng.integers(min(100, vocab // 4), vocab, size=prompt_len).tolist()
+               for _ in range(batch_size)]
+    return prompts, decoding(engine, prompts, n_ticks + 4, session_id="overhead")
 
 
 class _BareDecoder:
@@ -108,10 +99,7 @@ def measure_overhead(engine, batch_size: int = 8, prompt_len: int = 128, ticks: 
         times = interleave({"engine": tick, "bare": bare.step}, ticks, warmup)
     finally:
         clock.remove()
-        for h in handles:
-            h.cancel()
-        while engine.scheduler.has_work():
-            engine.step()
+        drain(engine, handles)
     keep = [i for i, ok in enumerate(pure[warmup:]) if ok]
     tick_s = [times["engine"][i] for i in keep]
     bare_s = [times["bare"][i] for i in keep]
@@ -140,10 +128,7 @@ def profile_ticks(engine, batch_size: int = 8, prompt_len: int = 128, ticks: int
     for _ in range(ticks):
         engine.step()
     prof.disable()
-    for h in handles:
-        h.cancel()
-    while engine.scheduler.has_work():
-        engine.step()
+    drain(engine, handles)
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
     return buf.getvalue()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import figures
+from .. import figures
 from .report import DOC, update_section
 from .timing import Conditions
 

@@ -78,42 +78,33 @@ def comparison(runs: list[RunResult], baseline: str | None = None) -> dict[str, 
 
 def markdown_table(runs: list[RunResult], baseline: str | None = None) -> str:
     baseline = baseline or (runs[0].target if runs else "")
-    comp = comparison(runs, baseline)
-    lines = [f"| target | done | output tok/s | total tok/s | {baseline} vs this target "
-             "(output tok/s) | TTFT p50 / p99 (s) "
-             "| ITL p50 / p99 (ms) | e2e p50 (s) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, c in comp.items():
+    rows = []
+    for name, c in comparison(runs, baseline).items():
         # Say the direction in words: a bare "1.11x" under a peer's row read as the
         # peer being faster.
-        if name == baseline:
-            speed = "(baseline)"
-        elif c.get("speedup"):
-            x = c["speedup"]
-            speed = f"**{baseline} {x:.2f}x {'faster' if x >= 1 else 'as fast (slower)'}**"
-        else:
-            speed = "–"
-        lines.append(
-            f"| {name} | {c['completed']} | {_fmt(c['output_tokens_per_s'], digits=1)} | "
-            f"{_fmt(c['total_tokens_per_s'], digits=1)} | {speed} | "
-            f"{_fmt(c['ttft_p50'])} / {_fmt(c['ttft_p99'])} | "
-            f"{_fmt(c['itl_p50'], 1e3, 0)} / {_fmt(c['itl_p99'], 1e3, 0)} | "
-            f"{_fmt(c['e2e_p50'])} |")
-    return "\n".join(lines)
+        x = c.get("speedup")
+        speed = "(baseline)" if name == baseline else "–" if not x else \
+            f"**{baseline} {x:.2f}x {'faster' if x >= 1 else 'as fast (slower)'}**"
+        rows.append([name, c["completed"], _fmt(c["output_tokens_per_s"], digits=1),
+                     _fmt(c["total_tokens_per_s"], digits=1), speed,
+                     f"{_fmt(c['ttft_p50'])} / {_fmt(c['ttft_p99'])}",
+                     f"{_fmt(c['itl_p50'], 1e3, 0)} / {_fmt(c['itl_p99'], 1e3, 0)}",
+                     _fmt(c["e2e_p50"])])
+    return "\n".join(md_table(["target", "done", "output tok/s", "total tok/s",
+                               f"{baseline} vs this target (output tok/s)", "TTFT p50 / p99 (s)",
+                               "ITL p50 / p99 (ms)", "e2e p50 (s)"], rows))
 
 
 def session_table(run: RunResult, weights: dict[str, float] | None = None) -> str:
     s = run.summary(weights)
-    lines = ["| session | requests | refused | output tok/s | TTFT p50 / p99 (s) | e2e mean (s) |",
-             "|---|---|---|---|---|---|"]
-    for name, v in s["sessions"].items():
-        lines.append(f"| {name} | {v['requests']} | {v['refused']} | "
-                     f"{_fmt(v['output_tokens_per_s'], digits=1)} | {_fmt(v['ttft_p50'])} / "
-                     f"{_fmt(v['ttft_p99'])} | {_fmt(v['e2e_mean'])} |")
     j = s["jain"]
-    lines.append(f"\nJain's index: throughput {_fmt(j['throughput'], digits=3)}, "
-                 f"latency {_fmt(j['latency'], digits=3)}")
-    return "\n".join(lines)
+    return "\n".join(md_table(
+        ["session", "requests", "refused", "output tok/s", "TTFT p50 / p99 (s)", "e2e mean (s)"],
+        [[name, v["requests"], v["refused"], _fmt(v["output_tokens_per_s"], digits=1),
+          f"{_fmt(v['ttft_p50'])} / {_fmt(v['ttft_p99'])}", _fmt(v["e2e_mean"])]
+         for name, v in s["sessions"].items()])) + \
+        (f"\n\nJain's index: throughput {_fmt(j['throughput'], digits=3)}, "
+         f"latency {_fmt(j['latency'], digits=3)}")
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> Path:

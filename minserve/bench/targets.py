@@ -5,7 +5,7 @@ Every target has `run(workload, progress=True) -> RunResult`. Both targets here
 use one asyncio driver: a coroutine per request sleeps until its scheduled
 arrival (open loop) or until a slot frees (closed loop), submits, and stamps
 each token the moment it reaches the client. The Hugging Face peers are in
-peers.py.
+hf.py.
 
 In process, the engine runs in serving mode (`engine.start()`): its worker
 thread ticks while this thread's event loop submits and awaits handles

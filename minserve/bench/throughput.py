@@ -40,18 +40,21 @@ def prompts_for(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def hf_generate_s(model, prompts: list[list[int]], new_tokens: int, pad: int = 0) -> float:
+def hf_generate_s(model, prompts: list[list[int]], new_tokens: int, pad: int = 0,
+                  device: str = "cpu") -> float:
     """Seconds of one left-padded `generate` call running every prompt to `new_tokens`."""
     import torch
 
     width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # (B, L)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # (B, L)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
     assert out.shape[1] - width == new_tokens
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 

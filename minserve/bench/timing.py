@@ -15,7 +15,8 @@ A shared 2-core machine drifts by tens of percent from one minute to the next, s
 
 `ForwardClock` times the model's forward inside a tick with hooks: the share of a tick
 spent outside the forward then comes from one measurement, which the machine's noise
-hits alike.
+hits alike. `decoding` fills an engine's decode batch, `decode_race` interleaves pure
+decode ticks of several engines so filled, and `drain` empties them again.
 """
 
 from __future__ import annotations
@@ -88,3 +89,43 @@ class ForwardClock:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+def decoding(engine, prompts: list, max_tokens: int, **submit) -> list:
+    """Submit `prompts` (EOS ignored) and step `engine` until every one decodes; the handles."""
+    from ..sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    handles = [engine.submit(p, params, **submit) for p in prompts]
+    while len(engine.scheduler.active) < len(prompts):
+        if not engine.scheduler.has_work():
+            raise RuntimeError("requests ended before filling the batch (gates?): "
+                               f"{[h.events[-1] for h in handles]}")
+        engine.step()
+    return handles
+
+
+def decode_race(engines: dict, rounds: int, warmup: int = 1, rows: int | None = None,
+                seen: Callable | None = None, **sides) -> dict[str, list[float]]:
+    """`interleave` one tick of each of `engines` (each `decoding` its rows) and any other
+    `sides`; every tick must be a pure decode tick (of `rows` rows); `seen(name, record)`
+    after each."""
+    def tick(name: str) -> None:
+        rec = engines[name].step()
+        assert not rec.prefill.chunks and rows in (None, len(rec.decode.rows)), \
+            "not a pure decode tick"
+        if seen is not None:
+            seen(name, rec)
+
+    return interleave({**{n: (lambda n=n: tick(n)) for n in engines}, **sides}, rounds, warmup)
+
+
+def drain(engine, handles=(), close: bool = False) -> None:
+    """Cancel `handles`, step `engine` until idle; `close`: the paged backend gives the
+    model its attention back."""
+    for h in handles:
+        h.cancel()
+    while engine.scheduler.has_work():
+        engine.step()
+    if close and hasattr(engine.scheduler.backend, "close"):
+        engine.scheduler.backend.close()

@@ -31,7 +31,7 @@ i is the same whatever else is in the workload.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -275,22 +275,3 @@ def make_workload(num_requests: int, *, rate: float = math.inf, burstiness: floa
                 "shared_prefix": shared_prefix}
     return Workload(reqs, concurrency, settings)
 
-
-# ------------------------------------------------------------------ named workloads
-SYSTEM_PROMPT_TOKENS = 330  # the chat service's shared system prompt
-USERS = 32  # the users the chat service's requests come from
-
-
-def chat_service(tokenizer, rate: float, duration_s: float, seed: int = 0,
-                 min_requests: int = 12) -> Workload:
-    """The side-by-side runs' chat service (minserve/peers/side_by_side.py): `rate` req/s
-    for about `duration_s` s; a shared system prompt + 10..120 tokens; 16..160 out."""
-    n = max(min_requests, round(rate * duration_s))
-    w = make_workload(n, rate=rate, prompt_len=f"uniform:{SYSTEM_PROMPT_TOKENS + 10}:"
-                         f"{SYSTEM_PROMPT_TOKENS + 120}", output_len="uniform:16:160",
-                         seed=seed, tokenizer=tokenizer, shared_prefix=SYSTEM_PROMPT_TOKENS)
-    # One Poisson stream, its requests sent by the users in turn. (Not `sessions=USERS`:
-    # that gives every user its own process, each starting with an arrival at t=0.)
-    w.requests = [replace(r, session=f"user{r.index % USERS}") for r in w.requests]
-    w.settings["sessions"] = USERS
-    return w

@@ -35,19 +35,36 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..bench.metrics import RequestResult, percentile
 from ..bench.report import update_section
 from ..bench.targets import OpenAITarget
 from ..bench.timing import Conditions
-from ..bench.workload import SYSTEM_PROMPT_TOKENS, USERS, chat_service
+from ..bench.workload import Workload, make_workload
 from .servers import ServerCommand, free_port, hf_command, minserve_command, running, vllm_command
 
 SECTION = "side-by-side"
 SLO_TTFT_S, SLO_TPOT_S, SLO_SHARE = 3.0, 0.250, 0.90
 PEERS = ("minserve", "vllm", "hf")
+SYSTEM_PROMPT_TOKENS = 330  # the chat service's shared system prompt
+USERS = 32  # the users the chat service's requests come from
+
+
+def chat_service(tokenizer, rate: float, duration_s: float, seed: int = 0,
+                 min_requests: int = 12) -> Workload:
+    """The chat service (above): `rate` req/s for about `duration_s` s; a shared system
+    prompt + 10..120 tokens; 16..160 out."""
+    n = max(min_requests, round(rate * duration_s))
+    w = make_workload(n, rate=rate, prompt_len=f"uniform:{SYSTEM_PROMPT_TOKENS + 10}:"
+                         f"{SYSTEM_PROMPT_TOKENS + 120}", output_len="uniform:16:160",
+                         seed=seed, tokenizer=tokenizer, shared_prefix=SYSTEM_PROMPT_TOKENS)
+    # One Poisson stream, its requests sent by the users in turn. (Not `sessions=USERS`:
+    # that gives every user its own process, each starting with an arrival at t=0.)
+    w.requests = [replace(r, session=f"user{r.index % USERS}") for r in w.requests]
+    w.settings["sessions"] = USERS
+    return w
 
 
 def meets_slo(r: RequestResult) -> bool:

@@ -7,15 +7,19 @@ right after it, invisible once the Markdown is rendered:
 
 `docs/figures.json` holds each figure's value and where it comes from. Whoever measures
 a figure writes it there (`minserve bench long-prompt`, `scripts/core_size.py
---write`, `scripts/refresh_notebooks.py`, or a person: `python -m minserve.bench.figures
-set make_test.minutes 8.5`), and `sync()` rewrites every marked number in the docs,
+--write`, `scripts/refresh_notebooks.py`, or a person: `python -m minserve.figures set
+make_test.minutes 8.5`), and `sync()` rewrites every marked number in the docs,
 keeping the precision the prose chose ("2,500" stays rounded to hundreds, "25.5" to one
 decimal). `tests/test_docs_match_code.py` fails when a marked number disagrees with the
 file, so a figure cannot say 23 s in one page and 25.5 s in another.
 
-    python -m minserve.bench.figures                    # check: list disagreements
-    python -m minserve.bench.figures sync               # rewrite the marked numbers
-    python -m minserve.bench.figures set NAME VALUE     # record a measurement, then sync
+    python -m minserve.figures                  # check: list disagreements
+    python -m minserve.figures sync             # rewrite the marked numbers
+    python -m minserve.figures set NAME VALUE   # record a measurement, then sync
+
+An outer layer: the docs' bookkeeping, not the engine's. May import: nothing of
+minserve (the standard library only); imported by `minserve.bench` (experiments record
+what they measure), by scripts/ and by the tests.
 """
 
 from __future__ import annotations
@@ -114,19 +118,15 @@ def sync(root: Path = ROOT, path: Path = FIGURES) -> list[Path]:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["set"] and len(argv) == 3:
-        record({argv[1]: float(argv[2])}, source="set by hand: python -m minserve.bench.figures")
+        record({argv[1]: float(argv[2])}, source="set by hand: python -m minserve.figures")
         return 0
     if argv[:1] == ["sync"]:
         for page in sync():
             print("updated", page.relative_to(ROOT))
         return 0
     if argv:
-        print(__doc__.split("\n\n")[-1], file=sys.stderr)
+        print(__doc__.split("\n\n")[-2], file=sys.stderr)  # the usage
         return 2
     bad = disagreements()
     print("\n".join(bad) or "every marked figure agrees with docs/figures.json")
     return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
