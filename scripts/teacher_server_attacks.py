@@ -407,22 +407,8 @@ def uncharged_tokenizing(loops: int = 12, chars: int = 199_000) -> dict[str, Any
     alice's first token, streamed, before and during."""
     text = ("The quick brown fox jumps over the lazy dog. " * (chars // 45 + 1))[:chars]
 
-    def ttft(srv, n=7):
-        times = []
-        for _ in range(n):
-            t0 = time.monotonic()
-            with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60,
-                              headers={"Authorization": f"Bearer {ALICE}"},
-                              json={"messages": [{"role": "user", "content": "Hi there"}],
-                                    "max_tokens": 2, "stream": True}) as r:
-                for line in r.iter_lines():
-                    if '"content"' in line and '"content": ""' not in line:
-                        break
-            times.append(time.monotonic() - t0)
-        return round(statistics.median(times), 3)
-
     with cli() as srv:
-        quiet = ttft(srv)
+        quiet = _ttft(srv)
         stop, statuses, messages, cpu = threading.Event(), {}, set(), []
 
         def loop():
@@ -442,7 +428,7 @@ def uncharged_tokenizing(loops: int = 12, chars: int = 199_000) -> dict[str, Any
             t.start()
         time.sleep(2.0)
         cpu0 = _proc_cpu(srv.proc.pid)
-        busy = ttft(srv)
+        busy = _ttft(srv)
         cpu.append(round(_proc_cpu(srv.proc.pid) - cpu0, 2))
         stop.set()
         for t in threads:
