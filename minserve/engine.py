@@ -294,6 +294,10 @@ class Engine:
                     self._wake.clear()
                     continue
                 self.step()
+                # Between two ticks, hand the tick lock to anyone waiting for it (explain,
+                # check_invariants): CPython's locks are not fair, and a worker that takes
+                # it again at once can keep a reader out for as long as there is work.
+                time.sleep(0)
             except Exception as e:  # keep serving: fail the rows in flight, report the error
                 try:
                     self.recover(e)
