@@ -409,27 +409,10 @@ def uncharged_tokenizing(loops: int = 12, chars: int = 199_000) -> dict[str, Any
 
     with cli() as srv:
         quiet = _ttft(srv)
-        stop, statuses, messages, cpu = threading.Event(), {}, set(), []
-
-        def loop():
-            with httpx.Client(timeout=60) as c:
-                while not stop.is_set():
-                    r = c.post(srv.url + "/v1/chat/completions",
-                               headers={"Authorization": f"Bearer {MALLORY}"},
-                               json={"messages": [{"role": "user", "content": text}]})
-                    statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
-                    try:
-                        messages.add(r.json()["error"]["message"][:150])
-                    except (ValueError, KeyError):
-                        pass
-
-        threads = [threading.Thread(target=loop) for _ in range(loops)]
-        for t in threads:
-            t.start()
-        time.sleep(2.0)
+        stop, threads, statuses, messages = _mallory_loops(srv, text, loops)
         cpu0 = _proc_cpu(srv.proc.pid)
         busy = _ttft(srv)
-        cpu.append(round(_proc_cpu(srv.proc.pid) - cpu0, 2))
+        cpu = round(_proc_cpu(srv.proc.pid) - cpu0, 2)
         stop.set()
         for t in threads:
             t.join()
@@ -437,7 +420,7 @@ def uncharged_tokenizing(loops: int = 12, chars: int = 199_000) -> dict[str, Any
     return {"attack": f"{loops} loops of a {chars:,}-character chat",
             "alice_ttft_quiet_s": quiet, "alice_ttft_under_attack_s": busy,
             "mallory_statuses": statuses, "refusal_messages": sorted(messages)[:3],
-            "server_cpu_s_while_alice_measured": cpu[0],
+            "server_cpu_s_while_alice_measured": cpu,
             "mallory_usage": (usage or {}).get("mallory")}
 
 
@@ -452,20 +435,7 @@ def unprovable_tokenizing(loops: int = 12, chars: int = 60_000) -> dict[str, Any
                    for _ in range(chars))
     with cli() as srv:
         quiet = _ttft(srv)
-        stop, statuses = threading.Event(), {}
-
-        def loop():
-            with httpx.Client(timeout=60) as c:
-                while not stop.is_set():
-                    r = c.post(srv.url + "/v1/chat/completions",
-                               headers={"Authorization": f"Bearer {MALLORY}"},
-                               json={"messages": [{"role": "user", "content": text}]})
-                    statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
-
-        threads = [threading.Thread(target=loop) for _ in range(loops)]
-        for t in threads:
-            t.start()
-        time.sleep(2.0)
+        stop, threads, statuses, _ = _mallory_loops(srv, text, loops)
         cpu0, t0 = _proc_cpu(srv.proc.pid), time.monotonic()
         busy = _ttft(srv)
         cpu = (_proc_cpu(srv.proc.pid) - cpu0) / (time.monotonic() - t0)
@@ -477,6 +447,31 @@ def unprovable_tokenizing(loops: int = 12, chars: int = 60_000) -> dict[str, Any
             "alice_ttft_quiet_s": quiet, "alice_ttft_under_attack_s": busy,
             "mallory_statuses": statuses, "server_cpu_cores_while_alice_measured": round(cpu, 2),
             "mallory_tokenizer_s": ((usage or {}).get("mallory") or {}).get("tokenizer_s")}
+
+
+def _mallory_loops(srv, text: str, loops: int):
+    """`loops` threads send mallory's chat of `text` again and again until `stop` is set;
+    started, and given 2 s to load the server. Returns (stop, threads, statuses by code,
+    the first 150 characters of each distinct error message)."""
+    stop, statuses, messages = threading.Event(), {}, set()
+
+    def loop():
+        with httpx.Client(timeout=60) as c:
+            while not stop.is_set():
+                r = c.post(srv.url + "/v1/chat/completions",
+                           headers={"Authorization": f"Bearer {MALLORY}"},
+                           json={"messages": [{"role": "user", "content": text}]})
+                statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                try:
+                    messages.add(r.json()["error"]["message"][:150])
+                except (ValueError, KeyError):
+                    pass
+
+    threads = [threading.Thread(target=loop) for _ in range(loops)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)
+    return stop, threads, statuses, messages
 
 
 def _ttft(srv, n: int = 7) -> float:
