@@ -24,11 +24,11 @@ class PrefillMode(str, Enum):
     DISAGGREGATED = "disaggregated"  # prefill and decode on different workers (DistServe)
 
 
-IMPLEMENTED_PREFILL_MODES = (PrefillMode.MONOLITHIC, PrefillMode.CHUNKED, PrefillMode.MIXED_BATCH)
-# (prefill mode, backend) pairs that are built; any other pair fails at construction (C2)
+# (prefill mode, backend) pairs that are built; any other pair fails at construction, loudly,
+# never falling back to another mode (C2)
 BUILT_MODE_BACKENDS = {(PrefillMode.MONOLITHIC, "padded"), (PrefillMode.MONOLITHIC, "paged"),
                        (PrefillMode.CHUNKED, "padded"), (PrefillMode.CHUNKED, "paged"),
-                       (PrefillMode.MIXED_BATCH, "paged")}
+                       (PrefillMode.MIXED_BATCH, "paged"), (PrefillMode.DISAGGREGATED, "paged")}
 POLICIES = ("fcfs", "fair")
 ADMISSIONS = ("reserve", "preempt")
 SHARES = ("off", "equal")
@@ -106,6 +106,11 @@ class EngineConfig:
     # for prompts only), split max-min fair between tenants, then rows (shares.py).
     # None: no budget beyond each prefilling row's chunk. Needs chunked or mixed_batch.
     max_prefill_tokens: int | None = None
+    # disaggregated (disagg/): the prefill worker's torch threads (None: half the cores,
+    # at least 1), and how long one prompt may take there before the worker is restarted
+    # and the rows it held fail (nothing waits forever).
+    prefill_worker_threads: int | None = None
+    prefill_timeout_s: float = 120.0
 
     # --- misc ------------------------------------------------------------------------
     seed: int = 0  # seeds requests that bring no seed of their own
@@ -131,6 +136,7 @@ class EngineConfig:
                            ("block_size", ""), ("num_blocks", "to derive it"),
                            ("kv_budget_tokens", "to derive it"),
                            ("max_prefill_tokens", "for no budget beyond the chunks"),
+                           ("prefill_worker_threads", "for half the cores"),
                            ("max_model_len", "for the model's own")):
             v = getattr(self, name)
             need(_pos_int(v) or (none != "" and v is None),
@@ -157,20 +163,19 @@ class EngineConfig:
         modes = [m.value for m in PrefillMode]
         need(self.prefill_mode in modes, f"prefill_mode={self.prefill_mode!r}; use one of {modes}")
         mode = PrefillMode(self.prefill_mode)
-        # C2: named modes that are not built fail loudly, never silently fall back.
-        need(mode in IMPLEMENTED_PREFILL_MODES,
-             f"prefill_mode={mode.value!r} is named in the design (SPEC C2) but not implemented; "
-             f"use 'monolithic', 'chunked' or 'mixed_batch'")
         need((mode, self.backend) in BUILT_MODE_BACKENDS,
              f"prefill_mode={mode.value!r} is built on the "
              f"{' / '.join(sorted(b for m, b in BUILT_MODE_BACKENDS if m is mode))} backend, "
              f"not backend={self.backend!r}")
         need(mode is not PrefillMode.CHUNKED or self.prefill_chunk_size > 0,
              "prefill_mode='chunked' needs prefill_chunk_size > 0")
-        need(self.max_prefill_tokens is None or mode is not PrefillMode.MONOLITHIC,
+        need(self.max_prefill_tokens is None or mode not in (PrefillMode.MONOLITHIC,
+                                                              PrefillMode.DISAGGREGATED),
              f"max_prefill_tokens={self.max_prefill_tokens} cuts prompts into pieces; "
-             "monolithic prefill computes each whole: set prefill_chunk_size > 0 (chunked) "
+             f"{mode.value} prefill computes each whole: set prefill_chunk_size > 0 (chunked) "
              "or prefill_mode='mixed_batch', or max_prefill_tokens=None")
+        need(isinstance(self.prefill_timeout_s, (int, float)) and self.prefill_timeout_s > 0,
+             f"prefill_timeout_s={self.prefill_timeout_s!r}; use seconds > 0")
 
     def check_device(self, device_type: str) -> None:
         """D1: refuse what this config asks of a device that does not have it, saying why:

@@ -23,6 +23,7 @@ import itertools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any, Union
@@ -111,6 +112,18 @@ class Engine:
         policy = make_policy(config.policy, config.fair_w_in, config.fair_w_out,
                              config.fair_max_sessions)
         self.scheduler = Scheduler(config, backend, policy, kv_budget, self.block_manager)
+        if config.prefill_mode == "disaggregated":  # prompts on a worker process (disagg/)
+            from .disagg.connector import PrefillWorker
+
+            threads = config.prefill_worker_threads or max(1, (os.cpu_count() or 2) // 2)
+            self.scheduler.remote = PrefillWorker(
+                model, storage, self.block_manager, config.model_runner, self.max_model_len,
+                config.max_batch_size, threads, config.prefill_timeout_s)
+            # stopped with the engine (`close`), or when it is collected, or at exit (daemon)
+            weakref.finalize(self, self.scheduler.remote.close)
+            if not self.scheduler.remote.wait_ready():  # loaded before the first prompt
+                raise RuntimeError("the prefill worker did not start within prefill_timeout_s="
+                                   f"{config.prefill_timeout_s:g} s")
 
         self._seq = itertools.count()
         self._worker: threading.Thread | None = None
@@ -284,6 +297,12 @@ class Engine:
         if self._worker is not None:
             self._worker.join(timeout)
         self._worker = None
+
+    def close(self) -> None:
+        """Stop the worker thread and, if there is one, the prefill worker process."""
+        self.stop()
+        if self.scheduler.remote is not None:
+            self.scheduler.remote.close()
 
     def _run(self) -> None:
         while not self._stop.is_set():

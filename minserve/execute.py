@@ -71,6 +71,45 @@ def defer_to_decode(s, pieces: list[Piece], rec: PrefillRecord) -> None:
         rec.chunks.append(chunk)
 
 
+def run_remote(s, rec: PrefillRecord) -> None:
+    """disaggregated (disagg/connector.py): take what the prefill worker finished, send
+    what it has not got. A row whose KV arrived is posted as one final piece, from where
+    its KV started to the prompt's end (`post_pieces`: the splice at the promotion, K3,
+    its first token sampled from the worker's logits); a row the worker failed on, or
+    lost, fails alone. `rec.remote`: what was sent, what is on the worker, the transfers."""
+    remote = s.remote
+    # Nothing to decode, prompts on the worker: wait for one (briefly) instead of spinning
+    # ticks, whose CPU the worker's forward would lose.
+    idle = not s.active and not len(s.policy) and any(remote.holds(r.request_id)
+                                                      for r in s.prefilling)
+    done, lost = remote.poll(wait_s=0.05 if idle else 0.0)
+    by_id = {r.request_id: r for r in s.prefilling}
+    for rid, why in lost:
+        if rid in by_id:
+            failures.fail_row(s, by_id[rid], "the prefill worker", RuntimeError(why), rec.failed)
+    pieces = [(req, req.num_computed_prompt_tokens, req.prefill_len) for req, _ in done
+              if any(r is req for r in s.prefilling)]
+    logits = [lg for req, lg in done if any(r is req for r in s.prefilling)]
+    rec.remote = {"sent": [], "waiting": {}, "transfers": {}}
+    for _, chunk in post_pieces(s, pieces, logits, rec.failed):
+        rec.chunks.append(chunk)
+        rec.promoted.append(chunk["request_id"])
+        rec.remote["transfers"][chunk["request_id"]] = remote.transfers.pop(chunk["request_id"], None)
+    for req in list(s.prefilling):
+        if req.cancel_requested or remote.holds(req.request_id):
+            continue
+        try:
+            why = remote.send(req)
+        except Exception as e:  # the worker is broken for good: this row fails alone
+            failures.fail_row(s, req, "the prefill worker", e, rec.failed)
+            continue
+        if why is None:
+            rec.remote["sent"].append(req.request_id)
+        else:
+            rec.remote["waiting"][req.request_id] = why
+    rec.remote["on_worker"] = [j["request_id"] for j in remote.snapshot()["on_worker"]]
+
+
 def post_pieces(s, pieces: list[Piece], logits: list, failed: list) -> list[tuple[int, dict]]:
     """`piece_done` for each piece a forward carried (logits: per piece (V,), or None
     where it was not the prompt's final piece). The final pieces' first tokens are sampled
@@ -113,14 +152,15 @@ def piece_done(s, req: Request, start: int, end: int, first=None) -> dict[str, A
     if again:
         chunk["recomputed"] = again
     if final:
+        # The C3 seam, looked up on the scheduler. First: a disaggregated row's KV is
+        # spliced in there, and only KV that is there may be shared (K3) or streamed from.
+        s._promote_to_decode(req)
         if s.block_manager is not None:  # K3: its full blocks may be shared from now on
             s.block_manager.mark_computed(req.request_id, req.prefill_token_ids, end)
         chunk["first_token"] = post_token(s, req, first)
     with s.queue_lock:  # P3: the chunk's new prompt tokens (+ the next output token);
         # recomputation is the scheduler's doing, not the session's: never charged
         s.policy.on_tokens_processed(req, new_prompt, 1 if final else 0)
-    if final:
-        s._promote_to_decode(req)  # the C3 seam, looked up on the scheduler
     return chunk
 
 

@@ -63,6 +63,9 @@ def explain(scheduler, request_id: str, others_private: bool = False) -> dict[st
             out["sentence"] = (f"prefilling: {req.num_computed_prompt_tokens} of "
                                f"{req.prefill_len} prompt tokens computed"
                                + _recompute_note(req))
+            if s.remote is not None:  # disaggregated: where its prompt is
+                out["remote"] = _remote_view(s.remote, req)
+                out["sentence"] = out["remote"]["sentence"]
             return _with_share(s, req, out)
         if any(r is req for r in s.active):
             out["queue"] = "active"
@@ -72,6 +75,27 @@ def explain(scheduler, request_id: str, others_private: bool = False) -> dict[st
                                + _preempted_note(req))
             return _with_share(s, req, out)
         return _with_share(s, req, _pending(s, req, out, others_private))
+
+
+def _remote_view(remote, req: Request) -> dict[str, Any]:
+    """disaggregated: on the prefill worker (computing, or queued behind others), its KV
+    back and about to be spliced in, or not sent yet (and why)."""
+    snap = remote.snapshot()
+    jobs = snap["on_worker"]
+    rid, todo = req.request_id, req.prefill_len - req.num_computed_prompt_tokens
+    mine = next((i for i, j in enumerate(jobs) if j["request_id"] == rid), None)
+    if mine is not None:
+        j = jobs[mine]
+        state = ("being computed" if j["started"] else
+                 f"queued there behind {sum(1 for x in jobs[:mine])} other prompt(s)")
+        return {"where": "prefill worker", "started": j["started"], "sent_s_ago": j["waited_s"],
+                "sentence": f"prefilling: your prompt is on the prefill worker ({todo} tokens, "
+                            f"{state}, sent {j['waited_s']:.2f} s ago); its KV moves here when done"}
+    if rid in snap["arrived"]:
+        return {"where": "arrived", "sentence": "prefilling: the prefill worker is done; "
+                                                "its KV is spliced in at the next tick"}
+    why = snap["broken"] or "it goes to the prefill worker at the next tick"
+    return {"where": "decode side", "sentence": f"prefilling: not on the prefill worker yet: {why}"}
 
 
 def _pending(s, req: Request, out: dict[str, Any], others_private: bool) -> dict[str, Any]:

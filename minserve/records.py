@@ -35,6 +35,9 @@ class PrefillRecord:
     # each: {request_id, start, end, final, first_token (on the final chunk)}
     promoted: list[str] = field(default_factory=list)  # rows that entered `active`
     failed: list[dict[str, Any]] = field(default_factory=list)  # {request_id, error}: its piece raised
+    # prefill_mode="disaggregated": {sent: [ids], waiting: {id: why not sent},
+    # on_worker: [ids], transfers: {id: {blocks, bytes, ms, bytes_to_worker, worker_ms}}}
+    remote: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -123,7 +126,8 @@ def snapshot(s, admit: AdmitRecord | None = None, prefill: PrefillRecord | None 
                 "active": [r.request_id for r in s.active]},
         active_kv_reserved=s.active_kv_reserved, duration_s=duration_s,
         requests={r.request_id: card(r) for r in reqs},
-        backend=s.backend.snapshot(), policy=policy,
+        backend={**s.backend.snapshot(), **({"prefill_worker": s.remote.snapshot()}
+                                            if s.remote is not None else {})}, policy=policy,
         blocks=s.block_manager.snapshot() if s.block_manager is not None else None)
 
 
@@ -157,6 +161,8 @@ def stats(s) -> dict[str, Any]:
         "prefill_mode": s.config.prefill_mode,
         "policy": policy,
     }
+    if s.remote is not None:  # disaggregated: the prefill worker and its transfers
+        out["prefill_worker"] = s.remote.snapshot()
     if book is not None:  # per tenant (sessions): holds, share now, borrowing, held back
         out["shares"] = shares.table(book, held)
     if s.block_manager is not None:

@@ -104,6 +104,9 @@ class Scheduler:
         self.forwards: list[int] = []  # tokens in each model forward of the tick in progress
         self._planned: list[tuple[Request, dict[str, Any]]] = []  # mixed_batch: T2 -> T4
         self._planned_record = PrefillRecord()  # ... and the T2 record those chunks are in
+        # prefill_mode="disaggregated": the prefill worker's handle (disagg/connector.py),
+        # set by the engine. T2 sends prompts to it and polls it instead of computing them.
+        self.remote = None
 
     # ================================================================= entry points
     def submit(self, req: Request) -> Rejection | None:
@@ -263,13 +266,21 @@ class Scheduler:
         forward, one forward per tick in all; their records (`in_decode_forward`) get
         `first_token` when T4 has run.
 
-        On a row's final piece: register its now-computed blocks (K3), sample its first
-        token, stream it, and promote it through `_promote_to_decode`.
+        disaggregated (`execute.run_remote`): nothing is computed here. Rows whose KV the
+        prefill worker has finished are promoted (the KV spliced in at `_promote_to_decode`,
+        their first token sampled from the worker's logits); rows not yet on the worker
+        are sent to it. The decode batch never waits for a prompt.
+
+        On a row's final piece: promote it through `_promote_to_decode`, register its
+        now-computed blocks (K3), sample its first token and stream it.
         After (monolithic, chunked): rows in `prefilling` have 0 < remaining prompt tokens.
         """
         rec = PrefillRecord()
         with self.lock:
             self._planned, self._planned_record = [], rec
+            if self.remote is not None:  # disaggregated: the prefill worker computes them
+                execute.run_remote(self, rec)
+                return rec
             pieces = self._plan_prefill()
             if self.config.prefill is PrefillMode.MIXED_BATCH:
                 execute.defer_to_decode(self, pieces, rec)  # T4 runs them, in its forward
@@ -306,8 +317,11 @@ class Scheduler:
 
     def _promote_to_decode(self, req: Request) -> None:
         """The one seam through which every completed prefill enters the decode
-        batch (SPEC C3). Under P/D disaggregation, the KV transfer from the
-        prefill worker would go here; nothing else would change."""
+        batch (SPEC C3). Under P/D disaggregation the KV transfer from the prefill
+        worker happens here (`remote.splice`: its staging blocks into the row's own
+        blocks); nothing else changes."""
+        if self.remote is not None:
+            self.remote.splice(req, self.backend)
         self.backend.promote(req)  # first: if it raises, the row is still in `prefilling`
         self.prefilling.remove(req)
         req.status = RequestStatus.ACTIVE
@@ -347,6 +361,8 @@ class Scheduler:
         `drop_row=False` (fail_all) leaves the backend's row to `backend.reset()`."""
         released, req.reserved_tokens = req.reserved_tokens, 0
         self.active_kv_reserved -= released
+        if self.remote is not None:  # its prompt on the prefill worker: dropped there too
+            self.remote.forget(req.request_id)
         if self.block_manager is not None:
             self.block_manager.free(req.request_id)
         if drop_row:
@@ -446,6 +462,9 @@ class Scheduler:
             assert len(self.prefilling) + len(self.active) <= self.config.max_batch_size
             assert self.backend.num_rows == len(self.active), "backend rows != active"
             self.backend.check_invariants()
+            if self.remote is not None:
+                self.remote.check_invariants()
+                assert all(r in self.prefilling for r in map(self.requests.get, self.remote.arrived))
             if self.block_manager is not None:
                 self.block_manager.check_invariants()
                 for r in self.prefilling + self.active:

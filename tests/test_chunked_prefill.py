@@ -83,7 +83,7 @@ def test_chunked_version_a_runs_its_chunks_beside_the_decode_forward(tiny_model,
 
 @pytest.mark.parametrize("backend, mode", [("padded", "monolithic"), ("padded", "disaggregated")])
 def test_a_prefill_mode_not_built_on_a_backend_fails_at_construction(tiny_model, backend, mode):
-    with pytest.raises(ValueError, match="paged backend|not implemented"):
+    with pytest.raises(ValueError, match="built on the paged backend"):
         make_engine(tiny_model, backend=backend, prefill_mode=mode if mode != "monolithic"
                     else "mixed_batch", prefill_chunk_size=8)
 

@@ -6,13 +6,14 @@ Three tiers, as scripts/core_size.py counts them (its `FRONT` is the one list):
     front    `FRONT`: the package's __init__, engine.py (the composition root),
              streaming, models, explain, the command line
     outer    the subpackages: server, inspection, chat, bench, peers, labs, figures, and fast
-             (the faster parts the engine hands the backends)
+             (the faster parts the engine hands the backends) and disagg (the prefill
+             worker the engine hands the scheduler)
 
 Every `import` in the package (module level and inside functions alike: a lazy
 import is still an arrow) is read with `ast`, resolved to a module, and checked:
 
 * the core imports only the core: it reads on its own, without the front;
-* the front imports the core, itself and `fast` (the engine builds its parts);
+* the front imports the core, itself, `fast` and `disagg` (the engine builds its parts);
 * each outer layer imports the core, the front and what its `__init__` allows;
 * the module graph has no cycle (a package's `__init__` counts as a module).
 """
@@ -27,11 +28,11 @@ import pytest
 from .conftest import load_script
 
 PKG = Path(__file__).resolve().parents[1] / "minserve"
-OUTER = ("server", "inspection", "chat", "bench", "peers", "labs", "figures", "fast")
+OUTER = ("server", "inspection", "chat", "bench", "peers", "labs", "figures", "fast", "disagg")
 # what each outer layer may import besides the core, the front and itself (its __init__ says why)
 ALLOWED = {"server": set(), "inspection": set(), "chat": {"inspection", "server"},
            "bench": {"chat", "fast", "figures"}, "peers": {"bench"}, "labs": {"bench"},
-           "figures": set(), "fast": set()}
+           "figures": set(), "fast": set(), "disagg": {"fast"}}
 
 
 FRONT = {"minserve" if name == "__init__.py" else "minserve." + name.removesuffix(".py")
@@ -94,10 +95,10 @@ def test_the_core_imports_no_outer_layer():
     assert not bad, f"core modules import outer layers or the front: {sorted(bad)}"
 
 
-def test_the_front_imports_the_core_and_the_fast_paths_only():
+def test_the_front_imports_the_core_the_fast_paths_and_the_prefill_worker_only():
     # (but the command line: `minserve serve` and `minserve bench` are the outer layers')
     bad = {(m, t) for m, ts in graph().items() if layer(m) == "front" and m != "minserve.__main__"
-           for t in ts if layer(t) not in ("core", "front", "fast")}
+           for t in ts if layer(t) not in ("core", "front", "fast", "disagg")}
     assert not bad, f"the front imports {sorted(bad)}"
     assert {"minserve.engine", "minserve.streaming"} <= FRONT <= set(modules())
 

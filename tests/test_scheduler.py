@@ -132,7 +132,7 @@ def test_config_rejects_unknown_and_unbuilt_modes():
     with pytest.raises(ValueError, match="built on the paged backend, not backend='padded'"):
         EngineConfig(prefill_mode="mixed_batch")
     assert EngineConfig(prefill_mode="mixed_batch", backend="paged").prefill_mode == "mixed_batch"
-    with pytest.raises(ValueError, match="not implemented"):
+    with pytest.raises(ValueError, match="disaggregated' is built on the paged backend"):
         EngineConfig(prefill_mode="disaggregated")
     with pytest.raises(ValueError, match="max_batch_size"):
         EngineConfig(max_batch_size=0)

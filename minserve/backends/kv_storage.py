@@ -197,6 +197,37 @@ class KVBlockStorage:
         return tuple(f.view(H, self._blocks, S * D).index_select(1, blocks).view(H, -1, D)
                      for f in (k_flat, v_flat))
 
+    # --- whole blocks between pools (prefill_mode="disaggregated", disagg/) ----------------
+    def share_memory_(self) -> KVBlockStorage:
+        """Move the pool to memory another process can map (torch.multiprocessing): on the
+        CPU, shared memory; a CUDA tensor is shared through CUDA IPC as it is."""
+        for t in self._k + self._v:
+            if t.device.type == "cpu":
+                t.share_memory_()
+        return self
+
+    def copy_blocks(self, src: KVBlockStorage, src_blocks: list[int], dst_blocks: list[int]) -> int:
+        """Copy whole blocks of `src` into blocks of this pool, every layer, K and V:
+        src block src_blocks[i] -> this pool's block dst_blocks[i]. Returns the bytes moved.
+
+            per layer and KV head:  (num_blocks, S*D) rows  ->  dst[:, dst_blocks] = src[:, src_blocks]
+
+        What a KV connector does between a prefill and a decode instance (vLLM's copy
+        into the blocks the decode side allocated), here between two pools of one machine."""
+        if len(src_blocks) != len(dst_blocks):
+            raise ValueError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} destinations")
+        if (src.block_size, src.num_layers, src.num_kv_heads, src.head_dim) != (
+                self.block_size, self.num_layers, self.num_kv_heads, self.head_dim):
+            raise ValueError("the two pools hold KV of different shapes")
+        H, S, D = self.num_kv_heads, self.block_size, self.head_dim
+        s_idx = torch.tensor(src_blocks, dtype=torch.long, device=src.device)
+        d_idx = torch.tensor(dst_blocks, dtype=torch.long, device=self.device)
+        for layer in range(self.num_layers):
+            for dst, s_flat in zip(self.flat(layer), src.flat(layer)):  # K, then V
+                blocks = s_flat.view(H, src._blocks, S * D).index_select(1, s_idx)  # (H, n, S*D)
+                dst.view(H, self._blocks, S * D).index_copy_(1, d_idx, blocks.to(self.device, self.dtype))
+        return len(dst_blocks) * S * self.bytes_per_token()
+
     # --- all layers at once (what the padded backend uses for prefix caching) ---------------
     def store_tokens(self, block_table: list[int], start: int, per_layer_kv: list[KV]) -> None:
         """Write the KV of tokens start..start+T-1 of a row, for every layer.

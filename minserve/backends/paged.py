@@ -281,6 +281,22 @@ def _attend(ctx: PagedForward, layer: int, g: RowGroup, query: torch.Tensor, H_k
     return out.reshape(B, 1, H, D)  # (B, T=1, H, D), heads h = kv*G + g
 
 
+@torch.inference_mode()
+def run_paged(model: torch.nn.Module, runner: Any, ids: torch.Tensor, positions: torch.Tensor,
+              ctx: PagedForward, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The model over ids (B, T) with the attention context `ctx`; float32 logits at the
+    positions `logits_to_keep` names (HF's meaning: the last k, or indices). `runner`:
+    None, the HF model with this file's attention; else its `forward` (fast/compact.py).
+    The paged backend's forwards and the prefill worker's (disagg/worker.py) run here."""
+    if runner is not None:  # model_runner="compact": the same math, written out
+        return runner.forward(ids, positions, ctx, logits_to_keep)
+    if model.config._attn_implementation != PAGED_ATTN_IMPL:
+        install_paged_attention(model)  # someone switched it away: switch back
+    out = model(input_ids=ids, position_ids=positions, use_cache=False,
+                logits_to_keep=logits_to_keep, **{CONTEXT_KWARG: ctx})
+    return out.logits.float()
+
+
 def install_paged_attention(model: torch.nn.Module) -> str | None:
     """Register "minserve_paged" (idempotent) and switch `model` to it; return its old name."""
     from transformers import AttentionInterface
@@ -379,6 +395,12 @@ class PagedBackend(Backend):
         """The pieces flattened into one forward: `forward_mixed` with no decode rows."""
         return self.forward_mixed([], [], pieces)[1]
 
+    def kv_written(self, req: Request, end: int) -> None:
+        """The KV of prompt[:end] was written into this row's blocks by someone else: the
+        prefill worker's, spliced in at the promotion (prefill_mode="disaggregated")."""
+        self._staged(req)
+        self.staging[req.request_id] = end
+
     def promote(self, req: Request) -> None:
         held = self._staged(req)
         if held != req.prefill_len:
@@ -475,18 +497,9 @@ class PagedBackend(Backend):
         self.staging.clear()
         self.rows.clear()
 
-    @torch.inference_mode()
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, ctx: PagedForward,
              logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-        """The model over ids (B, T) with this backend's attention context; float32 logits
-        at the positions `logits_to_keep` names (HF's meaning: the last k, or indices)."""
-        if self.runner is not None:  # model_runner="compact": the same math, written out
-            return self.runner.forward(ids, positions, ctx, logits_to_keep)
-        if self.model.config._attn_implementation != PAGED_ATTN_IMPL:
-            install_paged_attention(self.model)  # someone switched it away: switch back
-        out = self.model(input_ids=ids, position_ids=positions, use_cache=False,
-                         logits_to_keep=logits_to_keep, **{CONTEXT_KWARG: ctx})
-        return out.logits.float()
+        return run_paged(self.model, self.runner, ids, positions, ctx, logits_to_keep)
 
     # --- metrics, figures, invariants --------------------------------------------------
     @property

@@ -236,6 +236,13 @@ def engine_config_from_args(args: argparse.Namespace, env: dict[str, str] | None
             value = (defaults or {}).get(name)
         if value is not None:
             values[name] = value
+    whole = values.get("prefill_mode") in ("monolithic", "disaggregated")
+    if whole and values.get("max_prefill_tokens") == (defaults or {}).get("max_prefill_tokens") \
+            and getattr(args, "max_prefill_tokens", None) is None \
+            and not env.get(env_name("max_prefill_tokens")):
+        # a front end's per-tick budget cuts prompts into pieces; a mode that computes each
+        # prompt whole (asked for by name) drops it rather than refuse to start
+        values.pop("max_prefill_tokens", None)
     return EngineConfig(**values)
 
 
