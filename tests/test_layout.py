@@ -13,7 +13,8 @@ import is still an arrow) is read with `ast`, resolved to a module, and checked:
 
 * the core imports only the core: it reads on its own, without the front;
 * the front imports the core, itself and `fast` (the engine builds its parts);
-* each outer layer imports the core, the front and what its `__init__` allows;
+* each outer layer imports the core, the front and what its `__init__` allows (and a
+  command, bench/cli.py, the one experiment of the layer above that it lists);
 * the module graph has no cycle (a package's `__init__` counts as a module).
 """
 
