@@ -21,7 +21,7 @@ import pytest
 from minserve import Engine, EngineConfig
 from minserve.bench.metrics import RequestResult, describe, jain_index, percentile
 from minserve.bench.report import comparison, markdown_table, write_html, write_json
-from minserve.bench.targets import EngineTarget, RunResult, parse_sse_line, rejection_from_error
+from minserve.bench.targets import EngineTarget, RunResult
 from minserve.bench.workload import (
     BenchRequest,
     LengthDist,
@@ -200,7 +200,7 @@ def test_refusals_are_counted_by_the_gate_that_refused(tiny_model):
 
 
 def test_hf_peers_complete_the_same_workload(tiny_model):
-    from minserve.bench.hf import HFContinuousTarget, HFStaticTarget
+    from minserve.peers.hf import HFContinuousTarget, HFStaticTarget
 
     w = make_workload(5, rate=100.0, prompt_len="uniform:4:20", output_len="uniform:2:8",
                       vocab=VOCAB, seed=5)
@@ -215,8 +215,8 @@ def test_hf_peers_complete_the_same_workload(tiny_model):
 def test_http_target_streams_from_minserve_serve():
     from transformers import AutoTokenizer
 
-    from minserve.bench.targets import OpenAITarget
     from minserve.models import embedded_model_dir, tiny_llama
+    from minserve.peers.openai_target import OpenAITarget
     from minserve.server.api import create_app
     from minserve.server.cli import BackgroundServer
 
@@ -235,6 +235,8 @@ def test_http_target_streams_from_minserve_serve():
 
 
 def test_sse_lines_and_openai_error_bodies_parse():
+    from minserve.peers.openai_target import parse_sse_line, rejection_from_error
+
     assert parse_sse_line('data: {"a": 1}') == {"a": 1}
     assert parse_sse_line("data: [DONE]") == "[DONE]"
     assert parse_sse_line(": keep-alive") is None and parse_sse_line("") is None

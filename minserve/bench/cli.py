@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import argparse
 
-from . import admission, attention, forward, gpu, kv, scheduling, serving, throughput
+# `serving` puts minserve beside its peers (HF in process, any server over HTTP), so it is
+# declared with them in peers/; this command, which lists every experiment, is the one
+# module of bench/ that imports peers/ (tests/test_layout.py allows it nothing else there).
+from ..peers import serving
+from . import admission, attention, forward, gpu, kv, scheduling, throughput
 from .registry import Bench, Experiment
 
 DEFAULT = "serving"

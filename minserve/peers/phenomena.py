@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..bench.targets import OpenAITarget
 from ..bench.workload import BenchRequest, Workload, prompt_ids_text
+from .openai_target import OpenAITarget
 from .servers import ServerCommand, running
 
 PREFIX_TOKENS, SUFFIX_TOKENS = 1500, 20

@@ -40,9 +40,9 @@ from pathlib import Path
 
 from ..bench.metrics import RequestResult, percentile
 from ..bench.report import update_section
-from ..bench.targets import OpenAITarget
 from ..bench.timing import Conditions
 from ..bench.workload import Workload, make_workload
+from .openai_target import OpenAITarget
 from .servers import ServerCommand, free_port, hf_command, minserve_command, running, vllm_command
 
 SECTION = "side-by-side"

@@ -15,7 +15,7 @@ every request's token times, the run's conditions) and `<name>.html` (plotly rep
 `--suite docs`, the runs behind the first section of docs/benchmarks.md (about five
 minutes on 2 cores): 1. throughput on the mixed-length workload, all at t=0, against both
 peers; 2. latency at Poisson arrivals at half the request rate minserve sustained in 1
-(or --rate); 3. engine overhead, a decode tick against a bare batched forward (overhead.py).
+(or --rate); 3. engine overhead, a decode tick against a bare batched forward (bench/overhead.py).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .registry import experiment, option
-from .report import comparison, markdown_table, session_table, write_html, write_json
-from .targets import RunResult
-from .workload import BenchRequest, Workload, make_workload
+from ..bench.registry import experiment, option
+from ..bench.report import comparison, markdown_table, session_table, write_html, write_json
+from ..bench.targets import RunResult
+from ..bench.workload import BenchRequest, Workload, make_workload
 
 PEERS = ("static", "continuous")
 OPTIONS = (
@@ -109,8 +109,9 @@ def build_workload(args, tokenizer, vocab_size: int, max_model_len: int | None =
 def run_targets(args, workload: Workload, engine, model, tokenizer,
                 peers: list[str]) -> list[RunResult]:
     """minserve (or --url) first, then each peer; every target warmed up off the record."""
+    from ..bench.targets import EngineTarget
     from .hf import HFContinuousTarget, HFStaticTarget
-    from .targets import EngineTarget, OpenAITarget
+    from .openai_target import OpenAITarget
 
     if args.url:
         targets = [OpenAITarget(args.url, args.served_model, args.api, args.ignore_eos,
@@ -199,7 +200,7 @@ def serving(bench):
     runs = run_targets(a, workload, engine, model, tokenizer, peers)
     extra: dict[str, Any] = {}
     if a.overhead or a.profile:
-        from .overhead import measure_overhead, profile_ticks
+        from ..bench.overhead import measure_overhead, profile_ticks
 
         engine = engine or engine_for(bench)
         if a.overhead:
@@ -215,7 +216,7 @@ def serving(bench):
 
 def docs_suite(bench) -> int:
     """The three runs behind docs/benchmarks.md's first section, and that section."""
-    from .overhead import measure_overhead
+    from ..bench.overhead import measure_overhead
 
     a = bench.args
     if a.url:

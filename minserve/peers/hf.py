@@ -33,9 +33,9 @@ import time
 
 import torch
 
-from .metrics import RequestResult
-from .targets import Progress, RunResult, new_result
-from .workload import BenchRequest, Workload
+from ..bench.metrics import RequestResult
+from ..bench.targets import Progress, RunResult, new_result
+from ..bench.workload import BenchRequest, Workload
 
 
 @contextlib.contextmanager
