@@ -3,6 +3,7 @@
     make peers-bench                                   # sets up vLLM's venv, then this, --write
     python -m minserve.peers.side_by_side --peers minserve,vllm,hf --write
     python -m minserve.peers.side_by_side --peers minserve --rates 1 --capacity-rates 1 -d 20
+    python -m minserve.peers.side_by_side --users none ...   # one way only: no `user`
 
 Each server (`servers.py`) is started on the same model folder, one at a time (they
 would share 2 cores otherwise), and gets the same open-loop workload from the same
@@ -12,7 +13,8 @@ client (`bench.targets.OpenAITarget`, streaming chat completions):
     so prefix caching can help) + a question of 10..120 tokens; greedy; max_tokens
     16..160, stopping at EOS like a real chat; Poisson arrivals.
 
-sent two ways (`--users 32,none`), each at every rate, to the same server:
+The same requests are sent two ways (`--users 32,none`), each at every rate, to the
+same server:
 
     32 users   the requests name their users in turn in the OpenAI `user` field,
                as a chat front end does
