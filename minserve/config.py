@@ -102,6 +102,7 @@ class EngineConfig:
     # --- prefill (C) ---------------------------------------------------------------
     prefill_mode: str = ""  # "" -> derived from prefill_chunk_size (C2)
     prefill_chunk_size: int = 0  # > 0 -> chunked prefill with chunks of this many tokens
+    # (disaggregated: the prefill worker's forwards, 0 -> 512 tokens each)
     # The prompt tokens one tick computes over all rows (vLLM's --max-num-batched-tokens,
     # for prompts only), split max-min fair between tenants, then rows (shares.py).
     # None: no budget beyond each prefilling row's chunk. Needs chunked or mixed_batch.

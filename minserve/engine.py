@@ -118,7 +118,8 @@ class Engine:
             threads = config.prefill_worker_threads or max(1, (os.cpu_count() or 2) // 2)
             self.scheduler.remote = PrefillWorker(
                 model, storage, self.block_manager, config.model_runner, self.max_model_len,
-                config.max_batch_size, threads, config.prefill_timeout_s)
+                config.max_batch_size, threads, config.prefill_timeout_s,
+                chunk_tokens=config.prefill_chunk_size or 512)
             # stopped with the engine (`close`), or when it is collected, or at exit (daemon)
             weakref.finalize(self, self.scheduler.remote.close)
             if not self.scheduler.remote.wait_ready():  # loaded before the first prompt

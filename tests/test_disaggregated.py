@@ -146,7 +146,7 @@ def test_the_worker_raising_on_one_prompt_fails_that_row_alone(engine, model):
 
     def put(job):
         if job is not None and job[1] == bad.request_id:
-            job = (*job[:4], job[4][:1], job[5])  # one block for a 40-token prompt
+            job = (*job[:4], job[4][:1], *job[5:])  # one block for a 40-token prompt
         real_put(job)
 
     s.remote._jobs.put = put

@@ -25,7 +25,7 @@ DEFAULT = "serving"
 # in the order of docs/benchmarks.md
 EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
     serving.serving, throughput.decode_throughput, kv.kv_cache, scheduling.scheduling,
-    scheduling.long_prompt, throughput.busy, admission.admission, forward.tick_profile,
+    scheduling.long_prompt, scheduling.disaggregated, throughput.busy, admission.admission, forward.tick_profile,
     forward.compact, forward.linear, attention.attention, scheduling.demo_wait, gpu.gpu)}
 
 

@@ -10,6 +10,9 @@ every variant sees the same trace), wall-clock timed:
      after the last light arrival (1: every session got the same share of what it asked).
 `long-prompt`: one chat streams 48 tokens; two tokens in, a `--prompt-tokens` document
   arrives; per prefill setting, the stream's worst gap (the stall) and the document's TTFT.
+`disaggregated`: the same, 3,500 tokens, in the three prefill modes on the paged backend,
+  monolithic, chunked and disaggregated (a prefill worker process): the stream's worst
+  gap against its TPOT alone, the long prompt's TTFT, and the KV bytes moved per token.
 `demo-wait`: the chat demo's own logic (`chat.logic.ChatApp`, its default flood); a light
   user's message 3 s in, under fair with the row cap, fair without, FCFS (docs/demo.md).
 """
@@ -131,18 +134,25 @@ STREAM = [{"role": "user", "content": "Count slowly from one to fifty, one numbe
 
 
 def stall(bench, prefill_chunk_size: int, prompt_tokens: int, mixed: bool = False) -> dict:
-    """Step the engine by hand, timing every token of the stream. `mixed`: Version B
-    (mixed_batch on the paged backend), else the padded backend."""
-    from .. import SamplingParams
-
+    """`stream_beside` on the padded backend, or with `mixed` Version B (mixed_batch on
+    the paged backend)."""
     engine = bench.engine(max_batch_size=8, max_model_len=8192, enable_prefix_caching=False,
                           prefill_chunk_size=prefill_chunk_size,
                           **({"backend": "paged", "prefill_mode": "mixed_batch"} if mixed else {}))
+    return {"chunk": prefill_chunk_size, "mixed": mixed, **stream_beside(engine, prompt_tokens)}
+
+
+def stream_beside(engine, prompt_tokens: int, stream_tokens: int = 48) -> dict:
+    """A chat streams `stream_tokens` tokens; two tokens in, a `prompt_tokens`-token
+    document arrives (0: none). Step the engine by hand, timing every token of the
+    stream: its worst gap (the stall), its median gap (TPOT) and the document's TTFT."""
+    from .. import SamplingParams
+
     doc_ids = [(37 * k) % 4000 + 100 for k in range(prompt_tokens)]  # no chat template
-    stream = engine.submit(STREAM, SamplingParams(max_tokens=48, ignore_eos=True))
+    stream = engine.submit(STREAM, SamplingParams(max_tokens=stream_tokens, ignore_eos=True))
     long, stamps, long_t0, long_ttft = None, [], 0.0, None
     while not (stream.finished and (long is None or long.finished)):
-        if long is None and len(stamps) >= 2:
+        if long is None and len(stamps) >= 2 and prompt_tokens:
             long = engine.submit(doc_ids, SamplingParams(max_tokens=4, ignore_eos=True))
             long_t0 = time.perf_counter()
         engine.step()
@@ -151,7 +161,7 @@ def stall(bench, prefill_chunk_size: int, prompt_tokens: int, mixed: bool = Fals
         if long is not None and long_ttft is None and long.events:
             long_ttft = now - long_t0
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    return {"chunk": prefill_chunk_size, "mixed": mixed, "max_gap_s": max(gaps),
+    return {"max_gap_s": max(gaps), "tpot_s": percentile(gaps, 50),
             "stream_s": stamps[-1] - stamps[0], "long_ttft_s": long_ttft}
 
 
@@ -181,6 +191,80 @@ def long_prompt(bench):
     bench.record({(f"long_prompt.{'mixed' if r['mixed'] else 'chunked'}_{r['chunk']}_gap_s"
                    if r["chunk"] else "long_prompt.monolithic_gap_s"): round(r["max_gap_s"], 2)
                   for r in runs}, command)
+
+
+# the three ways a prompt gets through the model (SPEC C2), all on the paged backend
+PREFILL_MODES = {"monolithic": {"prefill_mode": "monolithic"},
+                 "chunked, 256 tokens": {"prefill_mode": "chunked", "prefill_chunk_size": 256},
+                 "disaggregated": {"prefill_mode": "disaggregated", "prefill_chunk_size": 256}}
+
+
+@experiment("disaggregated",
+            option("--prompt-tokens", type=int, default=3500, help="the long prompt's length"),
+            option("--stream-tokens", type=int, default=64, help="the stream's tokens"),
+            option("--worker-threads", type=int, nargs="+", default=None,
+                   help="the prefill worker's torch threads, one run each (default: half the "
+                        "threads, then all of them); the decode side keeps half"))
+def disaggregated(bench):
+    """A long prompt beside a stream, three prefill modes: worst gap, TTFT, TPOT, KV moved."""
+    import torch
+
+    a, threads = bench.args, torch.get_num_threads()
+    half = max(1, threads // 2)
+    modes = {k: v for k, v in PREFILL_MODES.items() if k != "disaggregated"}
+    for n in a.worker_threads or sorted({half, threads}):
+        modes[f"disaggregated, worker {n} of {threads} threads"] = {
+            **PREFILL_MODES["disaggregated"], "prefill_worker_threads": n}
+    runs = {}
+    for name, cfg in modes.items():
+        remote = cfg["prefill_mode"] == "disaggregated"
+        if remote:  # the same cores in all: the decode side keeps half of them
+            torch.set_num_threads(half)
+        engine = bench.engine(backend="paged", max_batch_size=8, max_model_len=8192,
+                              enable_prefix_caching=False, model_runner="auto",
+                              decode_attention="auto", **cfg)
+        try:
+            stream_beside(engine, 256, 4)  # warm-up: the first forwards allocate
+            alone = stream_beside(engine, 0, a.stream_tokens)
+            before = engine.stats().get("prefill_worker", {})
+            beside = stream_beside(engine, a.prompt_tokens, a.stream_tokens)
+            after = engine.stats().get("prefill_worker", {})
+        finally:
+            engine.close()
+            torch.set_num_threads(threads)
+        moved = {k: after[k] - before[k] for k in ("bytes_from_worker", "transfer_s",
+                                                   "prompt_tokens")} if remote else {}
+        runs[name] = {**beside, "alone_tpot_s": alone["tpot_s"], **moved}
+    rows = [[name, f"**{r['max_gap_s']:.2f} s**", f"{r['max_gap_s'] / r['alone_tpot_s']:.1f}x",
+             f"{r['alone_tpot_s'] * 1e3:.0f} ms", f"{r['tpot_s'] * 1e3:.0f} ms",
+             f"{r['stream_s']:.1f} s", f"{r['long_ttft_s']:.1f} s",
+             f"{r['bytes_from_worker'] / r['prompt_tokens'] / 1024:.0f} KiB in "
+             f"{r['transfer_s'] * 1e3:.0f} ms" if "prompt_tokens" in r else "—"]
+            for name, r in runs.items()]
+    c = runs["chunked, 256 tokens"]
+    d = min((r for n, r in runs.items() if n.startswith("disagg")), key=lambda r: r["long_ttft_s"])
+    command = f"minserve bench disaggregated --prompt-tokens {a.prompt_tokens}"
+    bench.publish("disaggregated", [
+        "## Disaggregated prefill", "",
+        f"A chat streams {a.stream_tokens} tokens; two tokens in, a {a.prompt_tokens:,}-token "
+        "prompt arrives (embedded SmolLM2, fp32, paged backend, compact forward, stepped by "
+        f"hand). The same {threads} torch threads in each mode: disaggregated keeps half for "
+        "the decode side and gives the prefill worker its own. TPOT is the stream's median "
+        "gap; the long "
+        f"prompt's first token is timed from its arrival. `{command}` (one run each):", "",
+        *md_table(["prefill", "stream's worst gap", "worst gap / TPOT alone", "TPOT alone",
+                   "TPOT beside the prompt", "the stream took", "long prompt's first token",
+                   "KV moved per prompt token, the prompt's splice"], rows), "",
+        f"Disaggregated, its faster run: the stream's worst gap is "
+        f"{d['max_gap_s'] / d['alone_tpot_s']:.1f}x its "
+        f"TPOT alone (target: at most 2x); the long prompt's first token took "
+        f"{d['long_ttft_s']:.1f} s against chunked prefill's {c['long_ttft_s']:.1f} s plus the "
+        f"transfer's {d['transfer_s']:.2f} s (target: no more)."])
+    bench.record({"disagg.monolithic_gap_s": round(runs["monolithic"]["max_gap_s"], 2),
+                  "disagg.chunked_gap_s": round(c["max_gap_s"], 2),
+                  "disagg.disaggregated_gap_s": round(d["max_gap_s"], 2),
+                  "disagg.chunked_ttft_s": round(c["long_ttft_s"], 1),
+                  "disagg.disaggregated_ttft_s": round(d["long_ttft_s"], 1)}, command)
 
 
 def light_user_ttft(bench, flood_start_s: float = 3.0, **engine_cfg) -> dict:

@@ -7,8 +7,9 @@ torch threads), and loops over jobs:
     decode process                               this process
     ──────────────                               ────────────
     jobs.put(("prefill", rid, ids, start,   ──►  ("start", rid)   ──► results
-              table, slot))                      forward of ids[start:] over the staging
-                                                 pool, at the blocks `table` names
+              table, slot, chunk))               forwards of ids[start:], `chunk` tokens
+                                                 each, over the staging pool, at the
+                                                 blocks `table` names
                                                  logits of the last token -> logits[slot]
                                          ◄──     ("done", rid, seconds)  or ("error", rid, why)
 
@@ -20,7 +21,7 @@ Two planes, as in every KV connector (vLLM's NIXL, SGLang's Mooncake):
 
 The decode side owns the staging pool's allocation: it names the blocks of each job and
 has already copied the prompt's cached prefix (tokens 0..start-1) into the first of them,
-so this worker needs no cache and no block manager: one job, one forward, the staging
+so this worker needs no cache and no block manager: one job, its forwards, the staging
 blocks written, the logits parked. A job that raises is answered with its error alone;
 the worker goes on with the next. `None` on the job queue ends it.
 """
@@ -46,15 +47,19 @@ def serve_prefills(model, runner_kind: str, max_model_len: int, staging, logits,
         install_paged_attention(model)  # the registry is per process: register it here too
     results.put(("ready", os.getpid()))
     while (job := jobs.get()) is not None:
-        _, rid, ids, start, table, slot = job
+        _, rid, ids, start, table, slot, chunk = job
         results.put(("start", rid))
         t0 = time.perf_counter()
         try:
-            T = len(ids) - start
-            ctx = PagedForward.build_rows(staging, [(table, start, T)])  # one row, T new tokens
             dev = staging.device
-            out = run_paged(model, runner, torch.tensor([ids[start:]], device=dev),
-                            torch.arange(start, len(ids), device=dev)[None], ctx, 1)  # (1, 1, V)
+            # The prompt in pieces of `chunk` tokens, one forward each, every piece attending
+            # over the KV the earlier ones wrote (chunked prefill, here where no stream waits
+            # for it: on a CPU a 3,500-token prompt's attention costs more in one forward).
+            for a in range(start, len(ids), chunk):
+                b = min(a + chunk, len(ids))
+                ctx = PagedForward.build_rows(staging, [(table, a, b - a)])  # one row
+                out = run_paged(model, runner, torch.tensor([ids[a:b]], device=dev),
+                                torch.arange(a, b, device=dev)[None], ctx, 1)  # (1, 1, V)
             logits[slot].copy_(out[0, -1])
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)  # the KV is in the pool before "done" is read
