@@ -251,7 +251,7 @@ def test_serve_takes_prefill_mode_disaggregated_and_drops_its_prompt_budget():
 
 def test_the_openai_sdk_gets_what_the_engine_generates_through_a_disaggregated_server():
     from minserve.server.api import create_app
-    from minserve.server.cli import BackgroundServer
+    from minserve.server.cli import BackgroundServer, engine_line
 
     from .test_server import CHAT, SMALL, reference, sdk, tiny_chat
 
@@ -270,6 +270,7 @@ def test_the_openai_sdk_gets_what_the_engine_generates_through_a_disaggregated_s
             text = "".join(c.choices[0].text for c in parts)
             assert text == reference("Once upon", max_tokens=5, temperature=0.0).text
             assert e.stats()["prefill_worker"]["prompts"] == 2
+            assert "prompts on a prefill worker process (pid" in engine_line(e)
     finally:
         e.close()
 

@@ -332,7 +332,10 @@ def engine_line(engine) -> str:
             f"rows, {engine.num_blocks} KV blocks of {c.block_size}, "
             f"{torch.get_num_threads()} torch thread(s)"
             + (f", decode attention in {'C' if backend.kernel else 'PyTorch'}"
-               if c.backend == "paged" else ""))
+               if c.backend == "paged" else "")
+            + (f"; prompts on a prefill worker process (pid {remote.proc.pid}, "
+               f"{remote.threads} torch thread(s))"
+               if (remote := engine.scheduler.remote) is not None and remote.proc else ""))
 
 
 def tenancy_line(api_keys, api_key, allow_priority: bool) -> str:
