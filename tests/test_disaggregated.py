@@ -290,3 +290,20 @@ def test_real_model_token_exact_disaggregated(real_model, real_oracle):
         assert e.stats()["prefill_worker"]["prompts"] == 2
     finally:
         e.close()
+
+
+def test_preemption_with_prompts_on_the_worker_stays_exact(tiny_model):
+    """admission="preempt" (P6): a row may be preempted while its prompt is on the worker
+    (its answer is then dropped and its staging freed) and sent again when re-admitted;
+    every stream still equals HF generate alone, and everything drains."""
+    from .test_preemption import NEW, PROMPTS, SETUPS, run
+
+    setup = {**SETUPS["paged"], "prefill_mode": "disaggregated", "prefill_worker_threads": 1}
+    engine, handles, _ = run(tiny_model, "preempt", setup)
+    try:
+        assert engine.stats()["preemptions"] >= 2
+        for p, h in zip(PROMPTS, handles):
+            assert h.output.token_ids == hf_greedy(tiny_model, p, NEW)
+        assert engine.scheduler.remote.snapshot()["staging_blocks_used"] == 0
+    finally:
+        engine.close()

@@ -321,18 +321,19 @@ class PrefillWorker:
 
     # ------------------------------------------------------------- inspection
     def snapshot(self) -> dict[str, Any]:
-        """Plain data for records, stats, explain and the stepper."""
+        """Plain data for records, stats, explain and the stepper. (Stats read it without
+        the tick lock: it copies what it iterates.)"""
         now = time.perf_counter()
         return {"alive": self.proc is not None and self.proc.is_alive(), "ready": self.ready,
                 "pid": None if self.proc is None else self.proc.pid,
                 "on_worker": [{"request_id": rid, "tokens": len(j.req.prefill_token_ids) - j.start,
                                "started": j.started_at is not None,
                                "waited_s": round(now - j.sent_at, 3)}
-                              for rid, j in self.jobs.items() if not j.abandoned],
+                              for rid, j in list(self.jobs.items()) if not j.abandoned],
                 "arrived": list(self.arrived),
                 "staging_blocks_used": self.staging_bm.num_blocks - self.staging_bm.num_free_blocks(),
                 "staging_blocks": self.staging_bm.num_blocks, "broken": self.broken,
-                **self.counters}
+                **dict(self.counters)}
 
     def check_invariants(self) -> None:
         """Every slot and staging table belongs to exactly one job (or is free)."""
