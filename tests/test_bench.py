@@ -20,7 +20,7 @@ import pytest
 
 from minserve import Engine, EngineConfig
 from minserve.bench.metrics import RequestResult, describe, jain_index, percentile
-from minserve.bench.report import comparison, markdown_table, write_html, write_json
+from minserve.bench.report import comparison, markdown_table
 from minserve.bench.targets import EngineTarget, RunResult
 from minserve.bench.workload import (
     BenchRequest,
@@ -30,6 +30,7 @@ from minserve.bench.workload import (
     make_workload,
     parse_sessions,
 )
+from minserve.peers.run_report import write_html, write_json
 
 VOCAB = (1, 256)  # the tiny model's ids; 0 is its EOS
 

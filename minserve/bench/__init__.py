@@ -12,7 +12,7 @@ declared in minserve/peers/serving.py, beside those peers). An outer layer.
     targets.py    what a workload is replayed against: the in-process engine, through the
                   driver that peers/'s HTTP target shares
     metrics.py    TTFT, ITL, TPOT, e2e, throughput, per session, Jain's index, refusals by gate
-    report.py     JSON, plotly HTML, markdown tables, each experiment's docs section
+    report.py     markdown tables, each experiment's docs section
 
 The experiments of the engine, one concept per file: throughput.py, kv.py,
 scheduling.py, admission.py, forward.py, attention.py, gpu.py, overhead.py (a decode

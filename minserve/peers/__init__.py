@@ -9,6 +9,7 @@ with the bench's own registry, workloads and driver. An outer layer.
     openai_target.py any OpenAI-compatible server as a target, over streaming HTTP
     serving.py       `minserve bench` (its default experiment, `serving`): one workload
                      against minserve and the HF peers, or against any OpenAI URL
+    run_report.py    that run's files: JSON per request, the plotly HTML report
     servers.py       minserve serve, vLLM's CPU build, `transformers serve`: started on a
                      free port, waited for, stopped with their whole process group
     side_by_side.py  `make peers-bench`: one workload at several rates, sent as 32 users and

@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from ..bench.registry import experiment, option
-from ..bench.report import comparison, markdown_table, session_table, write_html, write_json
+from ..bench.report import comparison, markdown_table
 from ..bench.targets import RunResult
 from ..bench.workload import BenchRequest, Workload, make_workload
+from .run_report import session_table, write_html, write_json
 
 PEERS = ("static", "continuous")
 OPTIONS = (
