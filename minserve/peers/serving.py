@@ -29,6 +29,7 @@ from ..bench.registry import experiment, option
 from ..bench.report import comparison, markdown_table
 from ..bench.targets import RunResult
 from ..bench.workload import BenchRequest, Workload, make_workload
+from ..config import PrefillMode
 from .run_report import session_table, write_html, write_json
 
 PEERS = ("static", "continuous")
@@ -70,8 +71,8 @@ OPTIONS = (
     option("--backend", default="padded", choices=["padded", "paged"], help="minserve backend"),
     option("--policy", default="fcfs", choices=["fcfs", "fair"], help="minserve policy"),
     option("--prefill-chunk-size", type=int, default=0, help="0: monolithic prefill"),
-    option("--prefill-mode", default="", choices=["", "monolithic", "chunked", "mixed_batch"],
-           help="'' derives it from --prefill-chunk-size; mixed_batch needs --backend paged"),
+    option("--prefill-mode", default="", choices=["", *(m.value for m in PrefillMode)],
+           help="'' derives it from --prefill-chunk-size; mixed_batch and disaggregated need --backend paged"),
     option("--max-queue-size", type=int, default=256, help="gate G1"),
     option("--no-prefix-caching", dest="prefix_caching", action="store_false",
            help="turn minserve's prefix cache off"),
