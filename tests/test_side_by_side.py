@@ -236,3 +236,28 @@ def test_a_real_minserve_serve_is_started_driven_over_http_and_stopped(tiny_mode
     assert "up in" in out and (tmp_path / "minserve.log").exists()
     after = {p.pid for p in psutil.Process().children(recursive=True)}
     assert after <= before  # the server's process group is gone
+
+
+def test_each_phenomena_setting_starts_the_minserve_it_names():
+    """The flags each setting gives `minserve serve` make a valid config of that setting:
+    "monolithic" must not stay a mixed_batch server whose per-tick prompt budget still
+    cuts the prompt (chunk size 0 alone did), and "disaggregated" must start."""
+    import argparse
+
+    from minserve.peers import phenomena
+    from minserve.server.cli import SERVING_DEFAULTS, add_serve_arguments, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    got = {name: engine_config_from_args(p.parse_args(ours), {}, defaults=SERVING_DEFAULTS)
+           for name, (ours, _) in phenomena.SETTINGS.items()}
+    assert (got["monolithic prefill"].prefill_mode, got["monolithic prefill"].max_prefill_tokens,
+            got["monolithic prefill"].prefill_chunk_size) == ("monolithic", None, 0)
+    assert got["disaggregated prefill"].prefill_mode == "disaggregated"
+    assert got["chunked prefill"].prefill_chunk_size == 256
+    assert not got["prefix cache off"].enable_prefix_caching
+    figs = {"minserve": {"chunked prefill": {"stall_s": 0.8}, "monolithic prefill": {"stall_s": 11.0},
+                         "disaggregated prefill": {"stall_s": 0.07, "long_ttft_s": 9.2}},
+            "vLLM": {"chunked prefill": {"stall_s": 0.5}}}
+    rows = phenomena.table(figs).splitlines()
+    assert rows[2].endswith("| 0.07 s (9.20 s) |") and rows[3].endswith("| — |")

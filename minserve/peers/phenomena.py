@@ -13,8 +13,8 @@ stalls that stream for its whole prefill, unless the prefill is cut into chunks.
     figure: the stream's worst gap between two tokens, chunked prefill on and off
 
 Each server is started once per setting (`servers.py`): minserve with
-`--enable-prefix-caching` / `--no-enable-prefix-caching` and `--prefill-chunk-size`
-256 / 0; vLLM with `--enable-prefix-caching` / `--no-enable-prefix-caching` and
+`--enable-prefix-caching` / `--no-enable-prefix-caching`, `--prefill-chunk-size 256`,
+`--prefill-mode monolithic` and `--prefill-mode disaggregated` (minserve only); vLLM with `--enable-prefix-caching` / `--no-enable-prefix-caching` and
 `--enable-chunked-prefill` / `--no-enable-chunked-prefill`. Prompts go as token ids
 to /v1/completions (both servers take them), so both do exactly the same work.
 """
@@ -38,7 +38,12 @@ SETTINGS = {
     "prefix cache on": (["--enable-prefix-caching"], ["--enable-prefix-caching"]),
     "prefix cache off": (["--no-enable-prefix-caching"], ["--no-enable-prefix-caching"]),
     "chunked prefill": (["--prefill-chunk-size", "256"], ["--enable-chunked-prefill"]),
-    "monolithic prefill": (["--prefill-chunk-size", "0"], ["--no-enable-chunked-prefill"]),
+    # by name: chunk size 0 alone is still a mixed_batch server whose per-tick prompt
+    # budget (--max-prefill-tokens 512) cuts the prompt into pieces
+    "monolithic prefill": (["--prefill-mode", "monolithic", "--prefill-chunk-size", "0"],
+                           ["--no-enable-chunked-prefill"]),
+    # minserve only: vLLM's disaggregation is two servers and a proxy (docs/outgrowing.md)
+    "disaggregated prefill": (["--prefill-mode", "disaggregated"], None),
 }
 
 
@@ -82,7 +87,10 @@ def run_all(commands: dict[str, Callable[[list[str]], ServerCommand]], tokenizer
     figures: dict[str, dict[str, dict]] = {}
     for name, make in commands.items():
         for setting, (ours, vllm) in SETTINGS.items():
-            cmd = make(ours if name == "minserve" else vllm)
+            flags = ours if name == "minserve" else vllm
+            if flags is None:
+                continue
+            cmd = make(flags)
             slug = f"{name.split()[0].lower()}-{setting.replace(' ', '-')}"
             with running(cmd, Path(out_dir) / f"{slug}.log") as url:
                 measure(url, tokenizer, setting, seed=1)  # warm-up: first forwards allocate
@@ -97,12 +105,16 @@ def _s(x: float | None) -> str:
 
 def table(figures: dict[str, dict[str, dict]]) -> str:
     rows = ["| server | prefix cache on: TTFT cold → warm | prefix cache off: cold → warm | "
-            "stream's worst gap, chunked prefill | the same, monolithic |",
-            "|---|---|---|---|---|"]
+            "stream's worst gap, chunked prefill | the same, monolithic | the same, "
+            "disaggregated (its TTFT) |",
+            "|---|---|---|---|---|---|"]
     for name, f in figures.items():
         on, off = f.get("prefix cache on", {}), f.get("prefix cache off", {})
         ch, mono = f.get("chunked prefill", {}), f.get("monolithic prefill", {})
+        dis = f.get("disaggregated prefill", {})
         rows.append(f"| {name} | {_s(on.get('cold_ttft_s'))} → {_s(on.get('warm_ttft_s'))} | "
                     f"{_s(off.get('cold_ttft_s'))} → {_s(off.get('warm_ttft_s'))} | "
-                    f"{_s(ch.get('stall_s'))} | {_s(mono.get('stall_s'))} |")
+                    f"{_s(ch.get('stall_s'))} | {_s(mono.get('stall_s'))} | "
+                    + (f"{_s(dis['stall_s'])} ({_s(dis.get('long_ttft_s'))})" if dis else "—")
+                    + " |")
     return "\n".join(rows)

@@ -319,8 +319,9 @@ a {phenomena.PREFIX_TOKENS}-token prefix sent twice with different {phenomena.SU
 endings, one request at a time (the second one's TTFT drops when its prefix's KV is
 reused). Lesson 06: a short chat streams {phenomena.STREAM_TOKENS} tokens; {phenomena.LONG_AFTER_S:g} s
 in, a {phenomena.LONG_PROMPT_TOKENS}-token prompt arrives (the stream's worst gap between two
-tokens is the stall). Prompts as token ids to /v1/completions; each setting is a server
-restarted with that flag.
+tokens is the stall); minserve also with `--prefill-mode disaggregated` (lesson 08: the
+prompt on a prefill worker process; in brackets, its TTFT). Prompts as token ids to
+/v1/completions; each setting is a server restarted with that flag.
 
 {phenomena.table(figs)}
 """
