@@ -477,7 +477,7 @@ def test_sessions_of_one_figure_get_distinct_colours_even_when_their_ids_hash_al
     assert colours["alice"] == style.session_color("alice")  # the cast keeps its colour
 
 
-# --- disaggregated prefill (SPEC C4): the prefill worker in the stepper and the figures ------
+# --- disaggregated prefill (SPEC C2): the prefill worker in the stepper and the figures ------
 @pytest.fixture(scope="module")
 def disagg_engine(tiny_model):
     """A disaggregated engine: it starts a prefill worker process (~3 s), so one per module."""

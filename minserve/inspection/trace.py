@@ -356,7 +356,7 @@ def describe_phase(rec) -> str:
 
 def transfer_words(t: dict[str, Any]) -> str:
     """One remote prefill's cost in words: the worker's forward, then the move of its KV
-    into the row's own blocks at `_promote_to_decode` (SPEC C3, C4)."""
+    into the row's own blocks at `_promote_to_decode` (SPEC C2, C3)."""
     words = (f"computed there in {t['worker_ms']:.1f} ms; KV moved in: {t['blocks']} "
              f"block{'s' if t['blocks'] != 1 else ''}, {t['bytes']:,} bytes in {t['ms']:.2f} ms")
     if t.get("bytes_to_worker"):

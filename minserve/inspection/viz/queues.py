@@ -12,7 +12,7 @@ every figure, `style.session_color`); a red dashed border = soft-held at the hea
 by a gate (G4), with the gate's numbers (G6) in the card and on hover. The
 thin bar at the bottom of a card is its progress: prompt tokens computed
 (prefilling) or output tokens out of `max_tokens` (active). Under disaggregated
-prefill (SPEC C4) a prefilling card says where its prompt is (on the prefill worker,
+prefill (SPEC C2) a prefilling card says where its prompt is (on the prefill worker,
 being computed or queued; not sent yet; its KV back), and a row promoted this tick
 says what its KV's move cost (blocks, bytes).
 """
@@ -49,7 +49,7 @@ def _gate_line(rejection: dict[str, Any]) -> str:
 
 def _remote_line(rid: str, remote: dict[str, Any], jobs: dict[str, dict], worker: dict[str, Any],
                  admitted: bool) -> str:
-    """disaggregated (SPEC C4): where a prefilling row's prompt is, in a few words."""
+    """disaggregated (SPEC C2): where a prefilling row's prompt is, in a few words."""
     if rid in jobs:
         return ("on the prefill worker, " + ("being computed" if jobs[rid]["started"] else "queued")
                 + (" (sent this tick)" if rid in remote.get("sent", []) else ""))
@@ -65,7 +65,7 @@ def _cards(rec, trace) -> dict[str, list[dict[str, Any]]]:
     held = rec.admit.held or {}
     admitted = {a["request_id"]: a for a in rec.admit.admitted}
     chunks = {c["request_id"]: c for c in rec.prefill.chunks}
-    remote = rec.prefill.remote  # disaggregated (C4): sent, waiting, on_worker, transfers
+    remote = rec.prefill.remote  # disaggregated (C2): sent, waiting, on_worker, transfers
     moved = remote.get("transfers") or {}
     worker = rec.backend.get("prefill_worker")
     jobs = {j["request_id"]: j for j in (worker or {}).get("on_worker", [])}
