@@ -543,3 +543,7 @@ def test_the_timeline_draws_ticks_on_the_prefill_worker_hatched_and_the_transfer
     hover = " ".join(bars[PREFILL].hovertext)
     assert "on the prefill worker; computed there in " in hover and "KV moved in: 10 blocks" in hover
     assert REMOTE not in {t.name for t in viz.timeline(Trace()).data}  # other modes: no entry
+    # a recorder on an engine that already ran starts at its tick: the axis starts there
+    late = Trace(config=trace.config, ticks=trace.ticks[2:])
+    assert viz.timeline(late).layout.xaxis.range[0] == late.ticks[0].tick - 0.6
+    assert f"over {len(late.ticks)} ticks" in viz.timeline(late).layout.title.text

@@ -81,7 +81,11 @@ def timeline(trace: tr.Trace, title: str | None = None) -> go.Figure:
                                  marker={"symbol": symbol, "size": 11, "color": color,
                                          "line": {"width": 2, "color": color}},
                                  hovertext=e["text"], hoverinfo="text"))
-    n_ticks = max([rec.tick for rec in trace.ticks] + [1])
+    # the trace's own ticks: a recorder attached to an engine that already ran (the
+    # stepper on a lesson's engine) starts at that engine's tick, not at 1
+    ticks = [rec.tick for rec in trace.ticks] or [1]
+    first, last = min(ticks), max(ticks)
+    n_ticks = last - first + 1
     cfg = trace.config
     if title is None:
         title = (f"timeline: {len(order)} requests over {n_ticks} ticks · policy "
@@ -92,7 +96,7 @@ def timeline(trace: tr.Trace, title: str | None = None) -> go.Figure:
         margin={"l": 130, "r": 20, "t": 60, "b": 50},
         legend={"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 0.0,
                 "font": {"size": 11}},
-        xaxis={"title": "tick", "range": [0.4, n_ticks + 0.6], "dtick": 1 if n_ticks <= 30 else None,
+        xaxis={"title": "tick", "range": [first - 0.6, last + 0.6], "dtick": 1 if n_ticks <= 30 else None,
                "showgrid": False},
         yaxis={"categoryorder": "array", "categoryarray": [labels[r] for r in order],
                "autorange": "reversed"}))
