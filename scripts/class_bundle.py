@@ -229,7 +229,7 @@ echo "next: .venv/bin/jupyter lab lessons/README.md"
 README = """\
 # minserve {version}: lessons and labs
 
-What is here: the lessons (`lessons/01_*.ipynb` to `07_*.ipynb`, start with
+What is here: the lessons (`lessons/01_*.ipynb` to `08_*.ipynb`, start with
 `lessons/README.md`), the labs (`lessons/labs/<lab>/`: a notebook whose graded cell you
 fill in, and its `tests/` folder of public checks), the pages they link to (`docs/`) and
 minserve itself (`wheels/`). No GPU, no network after the install: the model ships as a

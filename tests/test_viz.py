@@ -23,6 +23,7 @@ from minserve.inspection.trace import (
     FINISHED,
     HELD,
     PREFILL,
+    REMOTE,
     Trace,
     TraceRecorder,
     request_states,
@@ -474,3 +475,75 @@ def test_sessions_of_one_figure_get_distinct_colours_even_when_their_ids_hash_al
         assert len(set(colours.values())) == 3, colours
         assert colours == style.session_colors(sessions=[a, b, "alice"])  # order-free
     assert colours["alice"] == style.session_color("alice")  # the cast keeps its colour
+
+
+# --- disaggregated prefill (SPEC C2): the prefill worker in the stepper and the figures ------
+@pytest.fixture(scope="module")
+def disagg_engine(tiny_model):
+    """A disaggregated engine: it starts a prefill worker process (~3 s), so one per module."""
+    engine = make_engine(tiny_model, backend="paged", block_size=4, max_batch_size=4,
+                         max_model_len=256, prefill_mode="disaggregated",
+                         prefill_worker_threads=1)
+    yield engine
+    engine.close()
+
+
+def test_the_stepper_shows_a_prompt_on_the_prefill_worker_then_its_transfer_and_promotion(
+        disagg_engine):
+    """Phase by phase: after the T2 that sends it, the row's prompt is named as on the
+    prefill worker (the tick's line and the worker's line); the T2 that brings its KV back
+    names the transfer (blocks, bytes, ms, the worker's ms) and the promotion."""
+    engine, s = disagg_engine, disagg_engine.scheduler
+    st = Stepper(engine)
+    h = st.add_request(list(range(30, 130)), max_tokens=3)  # 100 tokens: 25 blocks of 4
+    rid = h.request_id
+    st.next_phase()  # T1 admits it
+    assert "prefill worker: no prompt on it" in st.status()
+    st.next_phase()  # T2 sends it
+    text = st.status()
+    assert f"sent to the prefill worker: {rid}" in text, text
+    assert f"prefill worker: {rid} (100 tokens, " in text, text
+    card = next(c for c in viz.queues(st.view()).layout.annotations if f"<b>{rid}</b>" in c.text)
+    assert "on the prefill worker" in card.text, card.text
+    for _ in range(400):  # until the worker is done and T2 splices its KV in
+        if h.events:  # its first token: posted by the T2 that promoted it
+            break
+        st.next_phase()
+    assert st.last_phase.startswith("T2"), st.last_phase
+    text = st.status()
+    moved = 25 * 4 * s.backend.storage.bytes_per_token()
+    assert f"{rid} tokens 0..100 on the prefill worker (computed there in " in text, text
+    assert f"KV moved in: 25 blocks, {moved:,} bytes in " in text, text
+    assert f"promoted to active: {rid}" in text, text
+    card = next(c for c in viz.queues(st.view()).layout.annotations if f"<b>{rid}</b>" in c.text)
+    assert f"KV moved in: 25 blocks, {moved:,} B" in card.text, card.text
+    st.run(50)
+    assert h.finished and s.is_drained()
+
+
+def test_the_timeline_draws_ticks_on_the_prefill_worker_hatched_and_the_transfer_on_hover(
+        disagg_engine):
+    """A disaggregated trace, saved and loaded: the row is "on prefill worker" from the
+    tick it was sent until the tick its KV came back, drawn in the prefill colour,
+    hatched; that last tick's prefill bar says what the move cost."""
+    rec = TraceRecorder(disagg_engine)
+    h = rec.submit(list(range(40, 80)), SamplingParams(max_tokens=2))  # 40 tokens: 10 blocks
+    rec.run()
+    trace = Trace.from_dict(json.loads(json.dumps(rec.trace().to_dict())))
+    events = request_states(trace)[h.request_id]
+    kinds = [e["state"] for e in events]
+    remote = [e for e in events if e["state"] == REMOTE]
+    assert remote and "sent this tick" in remote[0]["detail"], events
+    assert kinds.index(PREFILL) > kinds.index(REMOTE), kinds
+    fig = viz.timeline(trace)
+    bars = {t.name: t for t in fig.data}
+    assert bars[REMOTE].marker.color == style.PREFILL and bars[REMOTE].marker.pattern.shape
+    label = f"{h.request_id} · default"
+    assert list(bars[REMOTE].y).count(label) == len(remote)
+    hover = " ".join(bars[PREFILL].hovertext)
+    assert "on the prefill worker; computed there in " in hover and "KV moved in: 10 blocks" in hover
+    assert REMOTE not in {t.name for t in viz.timeline(Trace()).data}  # other modes: no entry
+    # a recorder on an engine that already ran starts at its tick: the axis starts there
+    late = Trace(config=trace.config, ticks=trace.ticks[2:])
+    assert viz.timeline(late).layout.xaxis.range[0] == late.ticks[0].tick - 0.6
+    assert f"over {len(late.ticks)} ticks" in viz.timeline(late).layout.title.text

@@ -35,7 +35,7 @@ import plotly.graph_objects as go
 from ..records import TickRecord
 from ..sampling import SamplingParams
 from . import viz
-from .trace import TraceRecorder, describe_phase, describe_tick, snapshot_record
+from .trace import TraceRecorder, describe_phase, describe_tick, snapshot_record, worker_words
 
 PHASES = ("admit_pending", "advance_prefill_chunk", "evict_finished", "decode_step")
 PHASE_LABELS = ("T1 admit", "T2 prefill", "T3 evict", "T4 decode")
@@ -226,7 +226,10 @@ class Stepper:
         return out
 
     def status(self) -> str:
-        """Plain text: what just ran, and the tick so far (or the last tick)."""
+        """Plain text: what just ran, and the tick so far (or the last tick). Under
+        disaggregated prefill, T2's line names each transfer (blocks, bytes, ms, the
+        worker's compute ms) and the promotion, and a last line says what is on the
+        prefill worker now (`trace.worker_words`)."""
         head = f"last: {self.last_phase or '-'} · next: {PHASE_LABELS[self.phase]}"
         lines = [head]
         if self.phase:
@@ -239,6 +242,8 @@ class Stepper:
             lines.append(("waiting in pending for the next tick's T1 admit (they arrived after "
                           "this tick's T1 ran): " if self.phase else
                           "waiting in pending for T1 admit: ") + ", ".join(self._arrived))
+        if self.engine.scheduler.remote is not None:  # disaggregated: the other process
+            lines.append(worker_words(self.view().backend["prefill_worker"]))
         if self.phase == 0 and not self.engine.scheduler.has_work():
             lines.append("the engine is idle: add a request, or reset")
         share = self.shares()

@@ -41,7 +41,8 @@ TRACE_VERSION = 1
 # What happened to one request in one tick: the states the timeline draws.
 QUEUED, HELD, PREFILL, PREFILL_WAIT, DECODE, FINISHED, REJECTED, PREEMPTED = (
     "queued", "held", "prefill", "prefill wait", "decode", "finished", "rejected", "preempted")
-STATES = (QUEUED, HELD, PREFILL, PREFILL_WAIT, DECODE, FINISHED, REJECTED, PREEMPTED)
+REMOTE = "on prefill worker"  # disaggregated: its prompt is computed in another process
+STATES = (QUEUED, HELD, PREFILL, PREFILL_WAIT, REMOTE, DECODE, FINISHED, REJECTED, PREEMPTED)
 
 
 def tick_from_dict(d: dict[str, Any]) -> TickRecord:
@@ -225,9 +226,12 @@ def request_states(trace: Trace) -> dict[str, list[dict[str, Any]]]:
     Returns `{request_id: [{"tick", "state", "detail"}, ...]}` in tick order; a tick
     can hold two events for one request (monolithic prefill then decode in the same
     tick: T2 before T4). States: queued, held (with the gate), prefill (the chunk's
-    token range), prefill wait (chunked: no budget left this tick), decode, finished
-    (with the reason), rejected (with the gate), preempted (admission="preempt": its KV
-    was dropped before the tick's decode; it waits in pending to be recomputed).
+    token range), prefill wait (chunked: no budget left this tick), on prefill worker
+    (disaggregated: its prompt is computed in the worker process this tick, or queued
+    there; its final "prefill" event is the tick its KV was moved in and it was
+    promoted), decode, finished (with the reason), rejected (with the gate), preempted
+    (admission="preempt": its KV was dropped before the tick's decode; it waits in
+    pending to be recomputed).
     """
     events: dict[str, list[dict[str, Any]]] = {rid: [] for rid in trace.request_ids()}
 
@@ -251,9 +255,13 @@ def request_states(trace: Trace) -> dict[str, list[dict[str, Any]]]:
         for rid in rec.admit.cancelled:
             add(rid, t, FINISHED, "cancelled")
             touched.add(rid)
+        remote = rec.prefill.remote
+        moved = remote.get("transfers") or {}
         for c in rec.prefill.chunks:
             add(c["request_id"], t, PREFILL, f"tokens {c['start']}..{c['end']}"
-                + (" (last)" if c["final"] else ""))
+                + (" (last)" if c["final"] else "")
+                + (f" on the prefill worker; {transfer_words(moved[c['request_id']])}"
+                   if moved.get(c["request_id"]) else ""))
             touched.add(c["request_id"])
         for e in rec.evict.evicted:
             add(e["request_id"], t, FINISHED, e["finish_reason"])
@@ -265,10 +273,20 @@ def request_states(trace: Trace) -> dict[str, list[dict[str, Any]]]:
         for rid in rec.decode.rows:
             add(rid, t, DECODE, f"pos {rec.decode.positions.get(rid, '')}")
             touched.add(rid)
+        worker = {j["request_id"]: j for j in
+                  rec.backend.get("prefill_worker", {}).get("on_worker", [])}
         for rid in rec.queues.get("prefilling", []):
-            if rid not in touched:
+            if rid in touched:
+                continue
+            if rid in remote.get("on_worker", []) or rid in worker:
+                job = worker.get(rid)
+                add(rid, t, REMOTE, ("being computed" if job and job["started"] else "queued")
+                    + (", sent this tick" if rid in remote.get("sent", []) else ""))
+            elif rid in remote.get("waiting", {}):
+                add(rid, t, PREFILL_WAIT, f"not sent to the prefill worker: {remote['waiting'][rid]}")
+            else:
                 add(rid, t, PREFILL_WAIT, "no chunk this tick")
-                touched.add(rid)
+            touched.add(rid)
         if held is not None and held not in touched:
             j = rec.admit.held["rejection"]
             add(held, t, HELD, f"{j['gate']}: {j['message']}")
@@ -312,11 +330,15 @@ def describe_phase(rec) -> str:
         parts += [f"dropped {rid} (cancelled)" for rid in rec.cancelled]
         return "T1 admit_pending:        " + ("; ".join(parts) or "nothing waiting")
     if isinstance(rec, PrefillRecord):
+        moved = rec.remote.get("transfers") or {}
         parts = [f"{c['request_id']} tokens {c['start']}..{c['end']}"
+                 + (f" on the prefill worker ({transfer_words(moved[c['request_id']])})"
+                    if moved.get(c["request_id"]) else "")
                  + (f" (last chunk, first token {c['first_token']})" if c["final"] else "")
                  for c in rec.chunks]
         if rec.promoted:
             parts.append("promoted to active: " + ", ".join(rec.promoted))
+        parts += remote_words(rec.remote)
         return "T2 advance_prefill_chunk: " + ("; ".join(parts) or "nothing to prefill")
     if isinstance(rec, EvictRecord):
         parts = [f"{e['request_id']} ({e['finish_reason']}, released {e['released_tokens']} "
@@ -330,6 +352,46 @@ def describe_phase(rec) -> str:
             if rec.finished else ""
         return f"T4 decode_step:          {len(rec.rows)} rows [{toks}]{done}"
     raise TypeError(f"not a phase record: {type(rec).__name__}")
+
+
+def transfer_words(t: dict[str, Any]) -> str:
+    """One remote prefill's cost in words: the worker's forward, then the move of its KV
+    into the row's own blocks at `_promote_to_decode` (SPEC C2, C3)."""
+    words = (f"computed there in {t['worker_ms']:.1f} ms; KV moved in: {t['blocks']} "
+             f"block{'s' if t['blocks'] != 1 else ''}, {t['bytes']:,} bytes in {t['ms']:.2f} ms")
+    if t.get("bytes_to_worker"):
+        words += f"; its cached prefix sent there first: {t['bytes_to_worker']:,} bytes"
+    return words
+
+
+def remote_words(remote: dict[str, Any]) -> list[str]:
+    """disaggregated (`PrefillRecord.remote`): who was sent to the prefill worker this
+    tick, who waits to be sent (and why), who is on the worker now."""
+    if not remote:
+        return []
+    parts = []
+    if remote.get("sent"):
+        parts.append("sent to the prefill worker: " + ", ".join(remote["sent"]))
+    parts += [f"{rid} waits to be sent ({why})" for rid, why in remote.get("waiting", {}).items()]
+    if remote.get("on_worker"):
+        parts.append("on the prefill worker: " + ", ".join(remote["on_worker"]))
+    return parts
+
+
+def worker_words(worker: dict[str, Any]) -> str:
+    """The prefill worker now, from a TickRecord's `backend["prefill_worker"]` snapshot:
+    the prompts on it (computing, or queued behind another), KV arrived and not yet
+    spliced, its staging pool. No pid, no clock: the same run prints the same line."""
+    if worker.get("broken"):
+        return f"prefill worker: broken: {worker['broken']}"
+    jobs = [f"{j['request_id']} ({j['tokens']} tokens, "
+            f"{'being computed' if j['started'] else 'queued'})" for j in worker["on_worker"]]
+    state = "" if worker.get("alive", True) else " (not running)"
+    line = f"prefill worker{state}: " + ("; ".join(jobs) if jobs else "no prompt on it")
+    if worker.get("arrived"):
+        line += "; KV arrived, spliced in at the next T2: " + ", ".join(worker["arrived"])
+    return (line + f"; staging blocks in use {worker['staging_blocks_used']}/"
+            f"{worker['staging_blocks']}")
 
 
 def _why(rejection: dict[str, Any]) -> str:

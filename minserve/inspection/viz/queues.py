@@ -11,7 +11,10 @@ Card colour = session (the legend says which; a session has the same colour in
 every figure, `style.session_color`); a red dashed border = soft-held at the head of pending
 by a gate (G4), with the gate's numbers (G6) in the card and on hover. The
 thin bar at the bottom of a card is its progress: prompt tokens computed
-(prefilling) or output tokens out of `max_tokens` (active).
+(prefilling) or output tokens out of `max_tokens` (active). Under disaggregated
+prefill (SPEC C2) a prefilling card says where its prompt is (on the prefill worker,
+being computed or queued; not sent yet; its KV back), and a row promoted this tick
+says what its KV's move cost (blocks, bytes).
 """
 
 from __future__ import annotations
@@ -44,11 +47,28 @@ def _gate_line(rejection: dict[str, Any]) -> str:
     return f"held by {rejection['gate']}: {rejection['reason']}"
 
 
+def _remote_line(rid: str, remote: dict[str, Any], jobs: dict[str, dict], worker: dict[str, Any],
+                 admitted: bool) -> str:
+    """disaggregated (SPEC C2): where a prefilling row's prompt is, in a few words."""
+    if rid in jobs:
+        return ("on the prefill worker, " + ("being computed" if jobs[rid]["started"] else "queued")
+                + (" (sent this tick)" if rid in remote.get("sent", []) else ""))
+    if rid in worker.get("arrived", []):
+        return "KV back from the worker: spliced in at T2"
+    if rid in remote.get("waiting", {}):
+        return "not sent yet: the worker is full"
+    return "admitted this tick: sent at T2" if admitted else "to be sent to the prefill worker"
+
+
 def _cards(rec, trace) -> dict[str, list[dict[str, Any]]]:
     """Per column, in queue order: {id, card, lines, progress, held} for each request."""
     held = rec.admit.held or {}
     admitted = {a["request_id"]: a for a in rec.admit.admitted}
     chunks = {c["request_id"]: c for c in rec.prefill.chunks}
+    remote = rec.prefill.remote  # disaggregated (C2): sent, waiting, on_worker, transfers
+    moved = remote.get("transfers") or {}
+    worker = rec.backend.get("prefill_worker")
+    jobs = {j["request_id"]: j for j in (worker or {}).get("on_worker", [])}
     out: dict[str, list[dict[str, Any]]] = {}
     for q in ("pending", "prefilling", "active"):
         col = []
@@ -69,9 +89,12 @@ def _cards(rec, trace) -> dict[str, list[dict[str, Any]]]:
                 progress = done / max(1, n)
                 lines.append(f"prompt {done}/{n} computed" + (f" ({c['cached']} cached)"
                                                              if c.get("cached") else ""))
-                lines.append(f"chunk {chunks[rid]['start']}..{chunks[rid]['end']} this tick"
-                             if rid in chunks else ("admitted this tick" if rid in admitted
-                                                    else "waiting for a chunk"))
+                if worker is not None:  # disaggregated: where its prompt is
+                    lines.append(_remote_line(rid, remote, jobs, worker, rid in admitted))
+                else:
+                    lines.append(f"chunk {chunks[rid]['start']}..{chunks[rid]['end']} this tick"
+                                 if rid in chunks else ("admitted this tick" if rid in admitted
+                                                        else "waiting for a chunk"))
             else:
                 k, m = c.get("output_len", 0), c.get("max_tokens", 1)
                 progress = k / max(1, m)
@@ -79,6 +102,10 @@ def _cards(rec, trace) -> dict[str, list[dict[str, Any]]]:
                              + (f" ({c['cached']} cached)" if c.get("cached") else ""))
                 if rid in rec.decode.finished:
                     lines.append(f"done ({rec.decode.finished[rid]}), leaves next tick")
+                elif moved.get(rid):
+                    n = moved[rid]["blocks"]
+                    lines.append(f"KV moved in: {n} block{'s' if n != 1 else ''}, "
+                                 f"{moved[rid]['bytes']:,} B")
                 elif rid in chunks:
                     lines.append("prefilled, first token this tick")
                 else:

@@ -2,7 +2,8 @@
 
 * `timeline(trace)`: one row per request, one column per tick, what it did in
   that tick (trace.request_states): waiting, held by a gate, a prefill chunk,
-  waiting for a chunk, decoding; an end marker for finished or rejected. When a
+  waiting for a chunk, its prompt on the prefill worker (disaggregated: hatched),
+  decoding; an end marker for finished or rejected. When a
   request is prefilled and decodes in the same tick (monolithic prefill, T2
   then T4), the tick's cell is split: prefill on the left, decode on the right.
 * `fairness(trace)`: per session, the weighted service it received (SPEC P3:
@@ -26,7 +27,10 @@ from .. import trace as tr
 from . import style
 
 BAR_STATES = ((tr.QUEUED, style.QUEUED), (tr.HELD, style.HELD), (tr.PREFILL, style.PREFILL),
-              (tr.PREFILL_WAIT, style.PREFILL_WAIT), (tr.DECODE, style.REAL))
+              (tr.PREFILL_WAIT, style.PREFILL_WAIT), (tr.REMOTE, style.PREFILL),
+              (tr.DECODE, style.REAL))
+# disaggregated prefill: the prefill colour (it is prefill), hatched (somewhere else)
+PATTERNS = {tr.REMOTE: {"shape": "/", "fgcolor": "white", "solidity": 0.35}}
 END_STATES = ((tr.FINISHED, style.DONE, "x-thin-open"), (tr.REJECTED, style.HELD, "x"),
               (tr.PREEMPTED, style.HELD, "triangle-down"))  # P6: KV dropped, back to pending
 
@@ -65,8 +69,11 @@ def timeline(trace: tr.Trace, title: str | None = None) -> go.Figure:
     fig = go.Figure()
     for state, color in BAR_STATES:
         b = bars[state]
+        if state == tr.REMOTE and not b["y"]:
+            continue  # no legend entry for a mode the run did not use
         fig.add_trace(go.Bar(y=b["y"], x=b["x"], base=b["base"], orientation="h", name=state,
-                             marker={"color": color, "line": {"width": 0.5, "color": "white"}},
+                             marker={"color": color, "line": {"width": 0.5, "color": "white"},
+                                     **({"pattern": PATTERNS[state]} if state in PATTERNS else {})},
                              hovertext=b["text"], hoverinfo="text", width=0.7))
     for state, color, symbol in END_STATES:
         e = ends[state]
@@ -74,7 +81,11 @@ def timeline(trace: tr.Trace, title: str | None = None) -> go.Figure:
                                  marker={"symbol": symbol, "size": 11, "color": color,
                                          "line": {"width": 2, "color": color}},
                                  hovertext=e["text"], hoverinfo="text"))
-    n_ticks = max([rec.tick for rec in trace.ticks] + [1])
+    # the trace's own ticks: a recorder attached to an engine that already ran (the
+    # stepper on a lesson's engine) starts at that engine's tick, not at 1
+    ticks = [rec.tick for rec in trace.ticks] or [1]
+    first, last = min(ticks), max(ticks)
+    n_ticks = last - first + 1
     cfg = trace.config
     if title is None:
         title = (f"timeline: {len(order)} requests over {n_ticks} ticks · policy "
@@ -85,7 +96,7 @@ def timeline(trace: tr.Trace, title: str | None = None) -> go.Figure:
         margin={"l": 130, "r": 20, "t": 60, "b": 50},
         legend={"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 0.0,
                 "font": {"size": 11}},
-        xaxis={"title": "tick", "range": [0.4, n_ticks + 0.6], "dtick": 1 if n_ticks <= 30 else None,
+        xaxis={"title": "tick", "range": [first - 0.6, last + 0.6], "dtick": 1 if n_ticks <= 30 else None,
                "showgrid": False},
         yaxis={"categoryorder": "array", "categoryarray": [labels[r] for r in order],
                "autorange": "reversed"}))
