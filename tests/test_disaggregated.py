@@ -307,3 +307,17 @@ def test_preemption_with_prompts_on_the_worker_stays_exact(tiny_model):
         assert engine.scheduler.remote.snapshot()["staging_blocks_used"] == 0
     finally:
         engine.close()
+
+
+def test_ctrl_c_for_the_process_group_leaves_the_worker_running(engine, model):
+    """A terminal's Ctrl-C (or Jupyter's "interrupt the kernel") signals the whole process
+    group: the worker ignores it, so no prompt fails and no restart is spent."""
+    s = engine.scheduler
+    pid = s.remote.proc.pid
+    os.kill(pid, signal.SIGINT)
+    time.sleep(0.5)
+    assert s.remote.proc.is_alive() and s.remote.proc.pid == pid
+    h = engine.submit([4, 5, 6, 7], GREEDY)
+    run_checked(engine)
+    assert h.output.token_ids == hf_greedy(model, [4, 5, 6, 7], 6)
+    assert s.remote.counters["deaths"] == 0

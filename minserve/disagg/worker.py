@@ -36,9 +36,16 @@ import traceback
 def serve_prefills(model, runner_kind: str, max_model_len: int, staging, logits, jobs, results,
                    threads: int) -> None:
     """The worker's main loop (module-level: "spawn" imports it by name)."""
+    import signal
+
     import torch
 
     from ..backends.paged import PagedForward, install_paged_attention, run_paged
+
+    # Ctrl-C is for the process that started us: a terminal (or Jupyter's "interrupt the
+    # kernel") signals the whole process group, and a worker that died of it would fail
+    # the prompts it held and use up a restart. The decode side stops it (`close`).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from ..fast import compact
 
     torch.set_num_threads(threads)  # its own share of the cores, whatever the parent uses
