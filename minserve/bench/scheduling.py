@@ -256,10 +256,11 @@ def disaggregated(bench):
                    "TPOT beside the prompt", "the stream took", "long prompt's first token",
                    "KV moved per prompt token, the prompt's splice"], rows), "",
         f"Disaggregated, its faster run: the stream's worst gap is "
-        f"{d['max_gap_s'] / d['alone_tpot_s']:.1f}x its "
-        f"TPOT alone (target: at most 2x); the long prompt's first token took "
-        f"{d['long_ttft_s']:.1f} s against chunked prefill's {c['long_ttft_s']:.1f} s plus the "
-        f"transfer's {d['transfer_s']:.2f} s (target: no more)."])
+        f"{d['max_gap_s'] / d['alone_tpot_s']:.1f}x its TPOT alone; the long prompt's first "
+        f"token took {d['long_ttft_s']:.1f} s, against chunked prefill's "
+        f"{c['long_ttft_s']:.1f} s plus the transfer's {d['transfer_s']:.2f} s, while the "
+        f"stream, no longer stalled, took {d['stream_s']:.1f} s instead of "
+        f"{c['stream_s']:.1f} s on the same cores."])
     bench.record({"disagg.monolithic_gap_s": round(runs["monolithic"]["max_gap_s"], 2),
                   "disagg.chunked_gap_s": round(c["max_gap_s"], 2),
                   "disagg.disaggregated_gap_s": round(d["max_gap_s"], 2),
