@@ -292,18 +292,18 @@ def test_real_model_token_exact_disaggregated(real_model, real_oracle):
         e.close()
 
 
-def test_preemption_with_prompts_on_the_worker_stays_exact(tiny_model):
+def test_preemption_with_prompts_on_the_worker_stays_exact(model):
     """admission="preempt" (P6): a row may be preempted while its prompt is on the worker
     (its answer is then dropped and its staging freed) and sent again when re-admitted;
     every stream still equals HF generate alone, and everything drains."""
     from .test_preemption import NEW, PROMPTS, SETUPS, run
 
     setup = {**SETUPS["paged"], "prefill_mode": "disaggregated", "prefill_worker_threads": 1}
-    engine, handles, _ = run(tiny_model, "preempt", setup)
+    engine, handles, _ = run(model, "preempt", setup)
     try:
         assert engine.stats()["preemptions"] >= 2
         for p, h in zip(PROMPTS, handles):
-            assert h.output.token_ids == hf_greedy(tiny_model, p, NEW)
+            assert h.output.token_ids == hf_greedy(model, p, NEW)
         assert engine.scheduler.remote.snapshot()["staging_blocks_used"] == 0
     finally:
         engine.close()
@@ -321,3 +321,12 @@ def test_ctrl_c_for_the_process_group_leaves_the_worker_running(engine, model):
     run_checked(engine)
     assert h.output.token_ids == hf_greedy(model, [4, 5, 6, 7], 6)
     assert s.remote.counters["deaths"] == 0
+
+
+def test_a_model_that_does_not_pickle_is_refused_saying_why():
+    """The worker gets the model by pickling: a model with a local function patched in
+    fails at construction with a ValueError that names the cause, not deep in pickle."""
+    m = tiny_llama()
+    m.model.layers[0].forward = lambda *a, **k: None  # a local function: it cannot pickle
+    with pytest.raises(ValueError, match="cannot be sent to the prefill worker"):
+        disagg(m)

@@ -479,9 +479,13 @@ def test_sessions_of_one_figure_get_distinct_colours_even_when_their_ids_hash_al
 
 # --- disaggregated prefill (SPEC C2): the prefill worker in the stepper and the figures ------
 @pytest.fixture(scope="module")
-def disagg_engine(tiny_model):
-    """A disaggregated engine: it starts a prefill worker process (~3 s), so one per module."""
-    engine = make_engine(tiny_model, backend="paged", block_size=4, max_batch_size=4,
+def disagg_engine():
+    """A disaggregated engine: it starts a prefill worker process (~3 s), so one per module.
+    Its own model: the worker gets the model by pickling, and the session's `tiny_model`
+    may carry another test's patched layers, which do not pickle."""
+    from minserve.models import tiny_llama
+
+    engine = make_engine(tiny_llama(eos_token_id=0), backend="paged", block_size=4, max_batch_size=4,
                          max_model_len=256, prefill_mode="disaggregated",
                          prefill_worker_threads=1)
     yield engine

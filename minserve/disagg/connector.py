@@ -35,6 +35,7 @@ Faults, each ending only the rows they touch (SPEC H5):
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import time
 from dataclasses import dataclass, field
@@ -132,7 +133,11 @@ class PrefillWorker:
         saved = os.environ.get("OMP_WAIT_POLICY")
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         try:
-            self.proc.start()
+            self.proc.start()  # pickles the model for the child: a patched one may refuse
+        except (AttributeError, TypeError, pickle.PicklingError) as e:
+            raise ValueError(f"the model cannot be sent to the prefill worker process "
+                             f"({type(e).__name__}: {e}); prefill_mode='disaggregated' needs "
+                             "a model that pickles (no local functions patched into it)") from e
         finally:
             if saved is None:
                 os.environ.pop("OMP_WAIT_POLICY", None)
