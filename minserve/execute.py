@@ -87,9 +87,9 @@ def run_remote(s, rec: PrefillRecord) -> None:
     for rid, why in lost:
         if rid in by_id:
             failures.fail_row(s, by_id[rid], "the prefill worker", RuntimeError(why), rec.failed)
-    pieces = [(req, req.num_computed_prompt_tokens, req.prefill_len) for req, _ in done
-              if any(r is req for r in s.prefilling)]
-    logits = [lg for req, lg in done if any(r is req for r in s.prefilling)]
+    done = [(req, lg) for req, lg in done if by_id.get(req.request_id) is req]  # still here
+    pieces = [(req, req.num_computed_prompt_tokens, req.prefill_len) for req, _ in done]
+    logits = [lg for _, lg in done]
     rec.remote = {"sent": [], "waiting": {}, "transfers": {}}
     for _, chunk in post_pieces(s, pieces, logits, rec.failed):
         rec.chunks.append(chunk)

@@ -464,7 +464,8 @@ class Scheduler:
             self.backend.check_invariants()
             if self.remote is not None:
                 self.remote.check_invariants()
-                assert all(r in self.prefilling for r in map(self.requests.get, self.remote.arrived))
+                prefilling = {r.request_id for r in self.prefilling}
+                assert set(self.remote.arrived) <= prefilling, "KV arrived for a row not prefilling"
             if self.block_manager is not None:
                 self.block_manager.check_invariants()
                 for r in self.prefilling + self.active:
