@@ -8,6 +8,8 @@ replay need a GPU: tests/test_cuda.py (marked `cuda`).
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -35,7 +37,7 @@ def test_batch_buckets_are_powers_of_two_then_the_largest_batch():
     assert [block_bucket(n, 12) for n in (1, 2, 3, 5, 9, 12)] == [1, 2, 4, 8, 12, 12]
 
 
-def static_engine(model, max_batch_size: int = 6):
+def static_engine(model, max_batch_size: int = 6, capture: bool = False):
     """A paged engine whose decode steps run through `DecodeGraphs`' static step (eagerly:
     no CUDA here), over a pool with the spare block the padding rows write into."""
     engine = make_engine(model, backend="paged", model_runner="compact", block_size=4,
@@ -43,7 +45,7 @@ def static_engine(model, max_batch_size: int = 6):
     s, old = engine.scheduler, engine.scheduler.backend
     storage = KVBlockStorage.for_model(model, engine.num_blocks, 4, spare_blocks=1)
     runner = CompactLlama(model, engine.max_model_len)
-    graphs = DecodeGraphs(runner, storage, max_batch_size, engine.max_model_len, capture=False)
+    graphs = DecodeGraphs(runner, storage, max_batch_size, engine.max_model_len, capture=capture)
     s.backend = PagedBackend(model, engine.block_manager, storage, engine.max_model_len,
                              runner, graphs=graphs)
     old.close()
@@ -120,3 +122,99 @@ def test_the_static_step_reads_no_value_on_the_host_so_a_graph_can_record_it():
     graphs = DecodeGraphs(CompactLlama(model, 256), storage, 4, 256, capture=False)
     out = graphs.run([1, 2, 3], [5, 9, 2], [[0, 1], [2, 3, 4], [5]])
     assert out.shape == (3, 256) and out.device.type == "meta"
+
+
+class FakeCudaGraphs:
+    """torch.cuda's stream and graph calls, recorded, so that the capture path of
+    `DecodeGraphs` (capture=True) runs on a CPU. A fake graph replays as a CUDA graph does:
+    the step it recorded runs again over the same input buffers and writes into the SAME
+    output tensor. What it cannot show (a kernel that may not be captured, a host read)
+    the meta-device test above and tests/test_cuda.py do."""
+
+    def __init__(self, monkeypatch):
+        self.log: list[tuple] = []
+        self.stream = "default"  # the current stream's name
+        self.capturing = None  # the fake graph being captured
+        fake = self
+
+        class Stream:
+            def __init__(self, name="side"):
+                self.name = name
+
+            def wait_stream(self, other):
+                fake.log.append(("wait", self.name, other.name))
+
+        class CUDAGraph:
+            def replay(self):
+                with torch.inference_mode():  # (the output is an inference tensor)
+                    self.output.copy_(self.step())  # the same kernels, the same addresses
+
+        @contextlib.contextmanager
+        def stream(s):
+            before, fake.stream = fake.stream, s.name
+            yield
+            fake.stream = before
+
+        @contextlib.contextmanager
+        def graph(g, pool=None, stream=None, capture_error_mode="global"):
+            fake.log.append(("capture", pool, capture_error_mode))
+            fake.capturing = g
+            yield
+            fake.capturing = None
+
+        real_step = DecodeGraphs._step
+
+        def step(graphs, g):
+            fake.log.append(("step", fake.stream if fake.capturing is None else "capture",
+                             (g.B, g.M)))
+            out = real_step(graphs, g)
+            if fake.capturing is not None:
+                fake.capturing.step, fake.capturing.output = (lambda: real_step(graphs, g)), out
+            return out
+
+        def pin_memory(t):
+            fake.log.append(("pin",))
+            return t
+
+        for name, value in (("graph_pool_handle", lambda: "the pool"), ("Stream", Stream),
+                            ("current_stream", lambda: Stream("default")), ("stream", stream),
+                            ("CUDAGraph", CUDAGraph), ("graph", graph)):
+            monkeypatch.setattr(torch.cuda, name, value)
+        monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+        monkeypatch.setattr(DecodeGraphs, "_step", step)
+
+
+def test_every_graph_is_warmed_up_then_captured_into_one_pool_and_replays_give_hf_tokens(
+        tiny_model, monkeypatch):
+    """The capture path, on a CPU with torch.cuda's graph calls faked (`FakeCudaGraphs`):
+    every (B, M) graph runs its step once on a side stream first (lazy initialisations,
+    cuBLAS's workspace, must not happen inside a capture), is captured into the one shared
+    pool with capture_error_mode="thread_local" (the server ticks the engine in a thread
+    beside others), every step's inputs come from pinned memory, and reading each replay's
+    output tensor gives HF's tokens as rows join and leave."""
+    fake = FakeCudaGraphs(monkeypatch)
+    engine, graphs, _ = static_engine(tiny_model, capture=True)
+    handles = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in PLAN]
+    run_checked(engine)
+    for (p, n), h in zip(PLAN, handles):
+        assert h.output.token_ids == hf_greedy(tiny_model, p, n), p[:3]
+    assert len(graphs.graphs) >= 6 and all(g.graph is not None for g in graphs.graphs.values())
+    steps = [(where, key) for kind, *rest in fake.log if kind == "step" for where, key in [rest]]
+    assert all(where != "default" for where, _ in steps)  # no step ran outside a graph
+    for key in graphs.graphs:  # exactly one warm-up, then one capture, per graph
+        assert [w for w, k in steps if k == key] == ["side", "capture"], key
+    captures = [entry for entry in fake.log if entry[0] == "capture"]
+    assert captures == [("capture", "the pool", "thread_local")] * len(graphs.graphs)
+    assert sum(entry == ("pin",) for entry in fake.log) == graphs.replays + len(graphs.graphs)
+
+
+def test_capture_all_captures_every_bucket_a_run_can_meet_largest_first(tiny_model):
+    """Before a measured run (the GPU benchmark): every (B, M) up to the longest row, the
+    largest first; the run then captures nothing."""
+    engine, graphs, _ = static_engine(tiny_model)  # block_size 4, max_batch_size 6
+    longest = max(len(p) + n for p, n in PLAN)  # 36 tokens: 9 blocks, bucket 16
+    assert graphs.capture_all(longest) == 4 * 5  # B in 1, 2, 4, 6; M in 1, 2, 4, 8, 16
+    assert list(graphs.graphs)[0] == (6, 16) and list(graphs.graphs)[-1] == (1, 1)
+    engine.generate([p for p, _ in PLAN], [SamplingParams(max_tokens=n, ignore_eos=True)
+                                            for _, n in PLAN])
+    assert len(graphs.graphs) == 20 and graphs.replays > 10

@@ -107,6 +107,27 @@ class DecodeGraphs:
     def fits(self, n: int) -> bool:
         return 0 < n <= self.buckets[-1]
 
+    def capture_all(self, max_tokens: int | None = None) -> int:
+        """Capture now every (B, M) a step of rows of at most `max_tokens` tokens can meet
+        (default: `max_model_len`), as vLLM and nano-vllm do at start-up; returns how many
+        graphs there are. `run` captures lazily otherwise, in the middle of serving: each
+        capture synchronises the device and empties PyTorch's memory cache
+        (`torch.cuda.graph`), so a measured run should not be the one paying for it.
+        Largest first: a smaller graph then fits in memory the larger ones left in the pool."""
+        S = self.storage.block_size
+        top = block_bucket(-(-(max_tokens or self.max_blocks * S) // S), self.max_blocks)
+        Ms, m = [], 1
+        while True:
+            Ms.append(block_bucket(m, self.max_blocks))
+            if Ms[-1] >= top:
+                break
+            m *= 2
+        for B in reversed(self.buckets):
+            for M in reversed(Ms):
+                if (B, M) not in self.graphs:
+                    self._make(B, M)
+        return len(self.graphs)
+
     # --- one step ---------------------------------------------------------------------
     def run(self, ids: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
         n, S = len(ids), self.storage.block_size
@@ -167,7 +188,12 @@ class DecodeGraphs:
                 self._step(g)
             torch.cuda.current_stream().wait_stream(side)
             g.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g.graph, pool=self.pool):
+            # "thread_local": only this thread's calls are checked while it captures. With
+            # the default "global", a CUDA call that may not run during a capture (a
+            # cudaMalloc, a sync) made by ANY other thread of the process fails, and may
+            # invalidate this capture: the HTTP server ticks the engine in a thread of its
+            # own, beside others (PyTorch's own graph trees capture "thread_local" too).
+            with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode="thread_local"):
                 g.logits = self._step(g)
         self.graphs[(B, M)] = g
         return g
