@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 
 from .registry import experiment, option
 from .report import md_table
@@ -103,22 +104,27 @@ def hf_continuous(model, prompts, maxt, batch: int, device: str) -> float:
     gen = GenerationConfig(do_sample=False, max_new_tokens=max(maxt), eos_token_id=None,
                            pad_token_id=0)
     mgr = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
-    mgr.warmup()
-    mgr.start()
-    _sync(device)
-    t = time.perf_counter()
-    for j, (p, m) in enumerate(zip(prompts, maxt)):
-        mgr.add_request(list(p), request_id=f"r{j}", max_new_tokens=m)
-    got = n = 0
-    while got < len(prompts):
-        r = mgr.get_result(timeout=600)
-        if r is None:
-            raise RuntimeError("HF continuous batching returned nothing for 600 s")
-        if r.is_finished():
-            got, n = got + 1, n + len(r.generated_tokens)
-    _sync(device)
-    dt = time.perf_counter() - t
-    mgr.stop(block=True, timeout=30)
+    try:
+        mgr.warmup()
+        mgr.start()
+        _sync(device)
+        t = time.perf_counter()
+        for j, (p, m) in enumerate(zip(prompts, maxt)):
+            mgr.add_request(list(p), request_id=f"r{j}", max_new_tokens=m)
+        got = n = 0
+        while got < len(prompts):
+            r = mgr.get_result(timeout=600)
+            if r is None:
+                raise RuntimeError("HF continuous batching returned nothing for 600 s")
+            if r.is_finished():
+                got, n = got + 1, n + len(r.generated_tokens)
+        _sync(device)
+        dt = time.perf_counter() - t
+    finally:
+        # Stopped whatever happened: its generation thread would otherwise go on using the
+        # GPU (and the model, which it may have switched to another attention) while
+        # minserve's paths run and capture their CUDA graphs.
+        mgr.stop(block=True, timeout=30, hard_stop=True)
     return n / dt
 
 
@@ -128,7 +134,10 @@ def minserve_path(model, prompts, maxt, batch: int, device: str, dtype: str, cfg
     engine = Engine(EngineConfig(device=device, dtype=dtype, max_batch_size=batch, **cfg),
                     model=model)
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in maxt]
-    engine.generate(prompts[:batch], params[:batch])  # warm-up: captures the graphs it meets
+    graphs = getattr(engine.scheduler.backend, "graphs", None)
+    if graphs is not None:  # every graph this workload can meet, before the clock starts
+        graphs.capture_all(max(len(p) + m for p, m in zip(prompts, maxt)))
+    engine.generate(prompts[:batch], params[:batch])  # warm-up
     _sync(device)
     t = time.perf_counter()
     outs = engine.generate(prompts, params)
@@ -157,7 +166,8 @@ def profile_tick(model, batch: int, device: str, dtype: str, cfg: dict, vocab: i
     for _ in range(12):  # prefill done, decode steady (and its graphs captured)
         engine.step()
     assert len(engine.scheduler.active) == batch, "not every row decodes yet"
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    on_gpu = device.startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     _sync(device)
     with profile(activities=acts) as prof:
         t = time.perf_counter()
@@ -165,18 +175,59 @@ def profile_tick(model, batch: int, device: str, dtype: str, cfg: dict, vocab: i
             engine.step()
         _sync(device)
         wall = (time.perf_counter() - t) / ticks
-    ev = prof.key_averages()
-    busy = sum(e.self_device_time_total for e in ev) / 1e6 / ticks if len(acts) > 1 else None
-    count = {e.key: e.count for e in ev}
-    return {"wall_ms": round(wall * 1e3, 2),
+    return tick_figures(prof.events(), ticks, wall, on_gpu) | {
+        "tok_per_s_at_batch": round(batch / wall, 1)}
+
+
+def tick_figures(events, ticks: int, wall_s: float, on_gpu: bool) -> dict:
+    """Per tick, from a profile of `ticks` ticks (`prof.events()`): wall time, the time the
+    GPU was busy and its share of the wall, CPU-side kernel launches and host syncs.
+
+    Busy time is the union of the device's own events (kernels, copies, memsets) in time,
+    so a kernel counts once however it is reported, and two that overlap (two streams)
+    count once too. Not a sum of `key_averages()`' `self_device_time_total`: with the
+    kineto profiler a CPU operator carries its kernels' device time (`append_kernel` in
+    torch/autograd/profiler.py, `_parse_kineto_results`) AND each kernel is an event of
+    its own, so that sum counts every kernel at least twice (torch's own table,
+    `_build_table` in torch/autograd/profiler_util.py, sums only the device events)."""
+    busy = busy_us(device_intervals(events)) / 1e6 / ticks if on_gpu else None
+    names = [e.name for e in events if e.device_type == DeviceType.CPU]
+    return {"wall_ms": round(wall_s * 1e3, 2),
             "gpu_busy_ms": None if busy is None else round(busy * 1e3, 2),
-            "gpu_busy_share": None if busy is None else round(busy / wall, 3),
-            "launches_per_tick": round(sum(count.get(k, 0) for k in (
-                "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
-                "cudaGraphLaunch")) / ticks, 1),
-            "syncs_per_tick": round(sum(count.get(k, 0) for k in (
-                "cudaStreamSynchronize", "cudaDeviceSynchronize")) / ticks, 1),
-            "tok_per_s_at_batch": round(batch / wall, 1)}
+            "gpu_busy_share": None if busy is None else round(busy / wall_s, 3),
+            "launches_per_tick": round(sum(map(is_launch, names)) / ticks, 1),
+            "syncs_per_tick": round(sum(map(is_sync, names)) / ticks, 1)}
+
+
+def device_intervals(events) -> list[tuple[float, float]]:
+    """(start, end) in microseconds of every event the device itself ran: not the CPU's
+    operators and runtime calls, not user annotations (a `record_function` range shown
+    on the GPU's timeline spans its kernels and the gaps between them)."""
+    return [(e.time_range.start, e.time_range.end) for e in events
+            if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)]
+
+
+def busy_us(intervals) -> float:
+    """Length of the union of (start, end) intervals: the time at least one of them runs."""
+    total, reached = 0.0, -math.inf
+    for start, end in sorted(intervals):
+        if end > reached:
+            total += end - max(start, reached)
+            reached = end
+    return total
+
+
+def is_launch(name: str) -> bool:
+    """A CPU-side kernel launch, as CUPTI names it: the runtime's `cudaLaunchKernel` (and
+    `cudaLaunchKernelExC`), the driver's `cuLaunchKernel` / `cuLaunchKernelEx` (cuBLAS,
+    Triton), a graph's one launch (`cudaGraphLaunch`)."""
+    return name.startswith("cu") and ("LaunchKernel" in name or "GraphLaunch" in name)
+
+
+def is_sync(name: str) -> bool:
+    """A host wait for the device: `cudaStreamSynchronize` (what `.item()`, `.tolist()`
+    and a copy to pageable memory call), `cudaDeviceSynchronize`, `cudaEventSynchronize`."""
+    return name.startswith("cu") and "Synchronize" in name
 
 
 def run(shapes, device: str, dtype: str, requests: int, batch: int, quick: bool) -> dict:
