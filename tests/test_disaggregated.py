@@ -137,6 +137,45 @@ def test_cancel_while_the_prompt_is_on_the_worker_frees_everything(engine):
     assert s.is_drained()
 
 
+def test_the_decode_side_settles_its_copies_before_the_worker_may_use_the_blocks(
+        engine, model, monkeypatch):
+    """On a GPU a copy is only queued when it returns, and the worker is another process
+    that does not wait for this one's queue: the cached prefix copied into staging must
+    be done before the job is put on the queue, and the splice's read of the staging
+    blocks before they are freed for the next job (`connector.settle`; on a CPU it has
+    nothing to wait for)."""
+    from minserve.disagg import connector
+
+    s, log = engine.scheduler, []
+    remote = s.remote
+    prefix = [61, 62, 63, 64] * 4  # 16 tokens: 4 whole blocks of 4
+    first = engine.submit(prefix + [1, 2], GREEDY)
+    run_checked(engine)  # its blocks are now cached
+
+    def recorded(what, fn):
+        return lambda *a, **kw: (log.append(what(*a)), fn(*a, **kw))[1]
+
+    monkeypatch.setattr(connector, "settle", lambda device: log.append("settle"))
+    monkeypatch.setattr(remote._jobs, "put", recorded(lambda job: ("put", job and job[1]),
+                                                      remote._jobs.put))
+    monkeypatch.setattr(remote.staging, "copy_blocks",
+                        recorded(lambda *a: "copy into staging", remote.staging.copy_blocks))
+    monkeypatch.setattr(remote.storage, "copy_blocks",
+                        recorded(lambda *a: "copy from staging", remote.storage.copy_blocks))
+    monkeypatch.setattr(remote, "_free", recorded(lambda job: ("free", job.req.request_id),
+                                                  remote._free))
+    warm = engine.submit(prefix + [3, 4, 5], GREEDY)
+    run_checked(engine)
+    rid = warm.request_id
+    assert warm.output.num_cached_tokens == 16
+    sent = log.index(("put", rid))
+    assert log[sent - 2:sent + 1] == ["copy into staging", "settle", ("put", rid)]
+    freed = log.index(("free", rid))
+    assert log[freed - 2:freed + 1] == ["copy from staging", "settle", ("free", rid)]
+    assert first.output.token_ids == hf_greedy(model, prefix + [1, 2], 6)
+    assert warm.output.token_ids == hf_greedy(model, prefix + [3, 4, 5], 6)
+
+
 def test_the_worker_raising_on_one_prompt_fails_that_row_alone(engine, model):
     """A job the worker cannot run (its staging table cut short: the worker's own check
     raises) fails its row with the worker's error; the other prompt comes out exact."""

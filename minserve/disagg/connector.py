@@ -48,6 +48,18 @@ from ..kv_cache import BlockManager, NoFreeBlocksError
 from ..request import Request
 
 
+def settle(device: torch.device) -> None:
+    """Wait until the copies this process queued on `device` are done, before another
+    process is told it may use that memory. On a GPU, a copy is only queued when
+    `copy_blocks` returns; the worker (another process, its own CUDA context and streams,
+    the staging pool shared through CUDA IPC) does not wait for this process's queue, so
+    without this it could read a prefix block not yet written, or write a staging block
+    this side is still reading. The worker does the same before it answers (worker.py).
+    On a CPU every copy is done when it returns: nothing to wait for."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class RemotePrefillError(RuntimeError):
     """Why a row's remote prefill failed: the worker's error, its death, or a timeout."""
 
@@ -203,6 +215,8 @@ class PrefillWorker:
         n = start // self.storage.block_size
         sent = self.staging.copy_blocks(self.storage, self.block_manager.block_table(rid)[:n],
                                         table[:n]) if n else 0
+        if n:  # the worker reads these blocks as soon as it takes the job
+            settle(self.staging.device)
         if not self.jobs:  # an idle worker's silence so far is not a hang
             self.last_heard = time.perf_counter()
         job = Job(req, table, self.free_slots.pop(), start, time.perf_counter(), sent)
@@ -293,8 +307,7 @@ class PrefillWorker:
             first = job.start // bs  # the cached prefix's blocks are already the row's
             moved = self.storage.copy_blocks(self.staging, job.table[first:],
                                              self.block_manager.block_table(req.request_id)[first:])
-            if self.storage.device.type == "cuda":
-                torch.cuda.synchronize(self.storage.device)
+            settle(self.storage.device)  # read before the staging blocks are freed below
             backend.kv_written(req, req.prefill_len)
         finally:
             self._free(job)
