@@ -93,3 +93,30 @@ def test_hf_continuous_batching_is_stopped_even_when_it_fails():
     with pytest.raises(RuntimeError, match="returned nothing"):
         gpu.hf_continuous(model, [[1, 2, 3]], [4], 2, "cpu")
     assert calls == ["warmup", "start", "stop"]
+
+
+def test_a_path_that_fails_leaves_the_other_figures(monkeypatch):
+    """On a GPU lent for minutes, one path raising (a first run of CUDA-only code) must not
+    cost the figures of the others, nor the table at the end."""
+    real_path, real_profile = gpu.minserve_path, gpu.profile_tick
+
+    def path(*a, cfg, **kw):
+        if cfg is gpu.PATHS["minserve paged"]:
+            raise RuntimeError("boom")
+        return real_path(*a, cfg=cfg, **kw)
+
+    def profile(model, batch, device, dtype, cfg, *a, **kw):
+        if cfg is gpu.PATHS["minserve compact"]:
+            raise RuntimeError("bang")
+        return real_profile(model, batch, device, dtype, cfg, *a, **kw)
+
+    monkeypatch.setattr(gpu, "minserve_path", path)
+    monkeypatch.setattr(gpu, "profile_tick", profile)
+    res = gpu.run(["tiny"], "cpu", "float32", requests=2, batch=2, quick=True)
+    row = res["shapes"]["tiny"]
+    assert row["minserve paged"] == "error: RuntimeError: boom"
+    assert row["profile"]["minserve compact"] == "error: RuntimeError: bang"
+    assert isinstance(row["minserve compact+graphs"], float)
+    assert isinstance(row["profile"]["minserve padded"], dict)
+    md = gpu.markdown(res)
+    assert "boom" in md and "bang" in md

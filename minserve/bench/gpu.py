@@ -31,6 +31,8 @@ import json
 import math
 import random
 import time
+import traceback
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -60,6 +62,7 @@ PATHS = {
                                     cuda_graphs="auto"),
 }
 PROFILED = ("minserve compact+graphs", "minserve compact", "minserve padded")
+PROFILE_KEYS = ("wall_ms", "gpu_busy_ms", "gpu_busy_share", "launches_per_tick", "syncs_per_tick")
 
 
 def model_of(shape: str, dtype: str, device: str, seed: int = 0):
@@ -128,7 +131,7 @@ def hf_continuous(model, prompts, maxt, batch: int, device: str) -> float:
     return n / dt
 
 
-def minserve_path(model, prompts, maxt, batch: int, device: str, dtype: str, cfg: dict) -> float:
+def minserve_path(model, prompts, maxt, batch: int, device: str, *, dtype: str, cfg: dict) -> float:
     from .. import Engine, EngineConfig, SamplingParams
 
     engine = Engine(EngineConfig(device=device, dtype=dtype, max_batch_size=batch, **cfg),
@@ -240,23 +243,30 @@ def run(shapes, device: str, dtype: str, requests: int, batch: int, quick: bool)
         vocab = model.config.vocab_size
         prompts, maxt = workload(vocab, requests, quick)
         row = out["shapes"][shape] = {}
-        for name, fn in (("HF static generate", hf_static), ("HF continuous batching", hf_continuous)):
-            try:
-                row[name] = round(fn(model, prompts, maxt, batch, device), 1)
-            except Exception as e:  # report what failed; the other figures still stand
-                row[name] = f"error: {type(e).__name__}: {e}"[:200]
+        for name, fn in (("HF static generate", hf_static), ("HF continuous batching", hf_continuous),
+                         *((name, partial(minserve_path, dtype=dtype, cfg=cfg))
+                           for name, cfg in PATHS.items())):
+            # one path failing (on a lent GPU, a first run) leaves the others' figures
+            row[name] = attempt(fn, model, prompts, maxt, batch, device)
+            if isinstance(row[name], float):
+                row[name] = round(row[name], 1)
             print(f"[{shape}] {name}: {row[name]}", flush=True)
-        for name, cfg in PATHS.items():
-            row[name] = round(minserve_path(model, prompts, maxt, batch, device, dtype, cfg), 1)
-            print(f"[{shape}] {name}: {row[name]} tok/s", flush=True)
-        row["profile"] = {name: profile_tick(model, batch, device, dtype, PATHS[name], vocab,
-                                             ticks=4 if quick else 20)
-                          for name in PROFILED}
+        row["profile"] = {name: attempt(profile_tick, model, batch, device, dtype, PATHS[name],
+                                        vocab, ticks=4 if quick else 20) for name in PROFILED}
         print(f"[{shape}] profile: {json.dumps(row['profile'])}", flush=True)
         del model
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     return out
+
+
+def attempt(fn, *args, **kwargs):
+    """fn(*args, **kwargs), or what it raised as a string (its traceback printed)."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        traceback.print_exc()
+        return f"error: {type(e).__name__}: {e}"[:200]
 
 
 def markdown(res: dict) -> str:
@@ -268,8 +278,8 @@ def markdown(res: dict) -> str:
                                   ("HF static generate", "HF continuous batching", *PATHS)]), "",
         f"One decode tick at {res['batch']} rows (torch.profiler, 20 ticks):", "",
         *md_table(["shape", "path", "wall ms", "GPU busy ms", "busy share", "launches",
-                   "host syncs"], [[s, n, p["wall_ms"], p["gpu_busy_ms"], p["gpu_busy_share"],
-                                    p["launches_per_tick"], p["syncs_per_tick"]]
+                   "host syncs"], [[s, n, *((p.get(k) for k in PROFILE_KEYS) if isinstance(p, dict)
+                                           else [p])]
                                    for s in shapes for n, p in res["shapes"][s]["profile"].items()])])
 
 
