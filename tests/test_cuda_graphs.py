@@ -135,11 +135,15 @@ class FakeCudaGraphs:
         self.log: list[tuple] = []
         self.stream = "default"  # the current stream's name
         self.capturing = None  # the fake graph being captured
+        self.device = None  # inside `torch.cuda.device(...)`: its name
         fake = self
 
         class Stream:
-            def __init__(self, name="side"):
-                self.name = name
+            made = 0
+
+            def __init__(self, name=None):
+                Stream.made += 1
+                self.name = name or f"stream {Stream.made}"
 
             def wait_stream(self, other):
                 fake.log.append(("wait", self.name, other.name))
@@ -157,10 +161,17 @@ class FakeCudaGraphs:
 
         @contextlib.contextmanager
         def graph(g, pool=None, stream=None, capture_error_mode="global"):
-            fake.log.append(("capture", pool, capture_error_mode))
+            fake.log.append(("capture", pool, stream and stream.name, capture_error_mode,
+                             fake.device))
             fake.capturing = g
             yield
             fake.capturing = None
+
+        @contextlib.contextmanager
+        def device(d):
+            before, fake.device = fake.device, str(d)
+            yield
+            fake.device = before
 
         real_step = DecodeGraphs._step
 
@@ -178,7 +189,7 @@ class FakeCudaGraphs:
 
         for name, value in (("graph_pool_handle", lambda: "the pool"), ("Stream", Stream),
                             ("current_stream", lambda: Stream("default")), ("stream", stream),
-                            ("CUDAGraph", CUDAGraph), ("graph", graph)):
+                            ("CUDAGraph", CUDAGraph), ("graph", graph), ("device", device)):
             monkeypatch.setattr(torch.cuda, name, value)
         monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
         monkeypatch.setattr(DecodeGraphs, "_step", step)
@@ -189,9 +200,10 @@ def test_every_graph_is_warmed_up_then_captured_into_one_pool_and_replays_give_h
     """The capture path, on a CPU with torch.cuda's graph calls faked (`FakeCudaGraphs`):
     every (B, M) graph runs its step once on a side stream first (lazy initialisations,
     cuBLAS's workspace, must not happen inside a capture), is captured into the one shared
-    pool with capture_error_mode="thread_local" (the server ticks the engine in a thread
-    beside others), every step's inputs come from pinned memory, and reading each replay's
-    output tensor gives HF's tokens as rows join and leave."""
+    pool from one stream with capture_error_mode="thread_local" (the server ticks the
+    engine in a thread beside others), on the pool's device, every step's inputs come from
+    pinned memory, and reading each replay's output tensor gives HF's tokens as rows join
+    and leave."""
     fake = FakeCudaGraphs(monkeypatch)
     engine, graphs, _ = static_engine(tiny_model, capture=True)
     handles = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in PLAN]
@@ -201,10 +213,14 @@ def test_every_graph_is_warmed_up_then_captured_into_one_pool_and_replays_give_h
     assert len(graphs.graphs) >= 6 and all(g.graph is not None for g in graphs.graphs.values())
     steps = [(where, key) for kind, *rest in fake.log if kind == "step" for where, key in [rest]]
     assert all(where != "default" for where, _ in steps)  # no step ran outside a graph
-    for key in graphs.graphs:  # exactly one warm-up, then one capture, per graph
-        assert [w for w, k in steps if k == key] == ["side", "capture"], key
     captures = [entry for entry in fake.log if entry[0] == "capture"]
-    assert captures == [("capture", "the pool", "thread_local")] * len(graphs.graphs)
+    capture_stream = captures[0][2]
+    assert captures == [("capture", "the pool", capture_stream, "thread_local", "cpu")] * len(
+        graphs.graphs)  # one pool, one stream, on the pool's device
+    for key in graphs.graphs:  # exactly one warm-up on a side stream, then one capture
+        (warm, _), (then, _) = [(w, k) for w, k in steps if k == key]
+        assert warm not in ("default", "capture", capture_stream) and then == "capture", key
+    assert len({id(g.graph) for g in graphs.graphs.values()}) == len(graphs.graphs)
     assert sum(entry == ("pin",) for entry in fake.log) == graphs.replays + len(graphs.graphs)
 
 

@@ -116,9 +116,9 @@ def hf_continuous(model, prompts, maxt, batch: int, device: str) -> float:
             mgr.add_request(list(p), request_id=f"r{j}", max_new_tokens=m)
         got = n = 0
         while got < len(prompts):
-            r = mgr.get_result(timeout=600)
+            r = mgr.get_result(timeout=120)  # a stall must not eat the GPU's lent minutes
             if r is None:
-                raise RuntimeError("HF continuous batching returned nothing for 600 s")
+                raise RuntimeError("HF continuous batching returned nothing for 120 s")
             if r.is_finished():
                 got, n = got + 1, n + len(r.generated_tokens)
         _sync(device)

@@ -102,6 +102,7 @@ class DecodeGraphs:
         self.spare = storage.num_blocks  # the first block past the ones tables name
         self.graphs: dict[tuple[int, int], Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None  # one memory pool
+        self.capture_stream = None  # every capture into that pool on the same stream
         self.replays = 0
 
     def fits(self, n: int) -> bool:
@@ -182,19 +183,23 @@ class DecodeGraphs:
         # capture (and warm-up) inputs: every row a padding row, so nothing real is written
         g.inputs.copy_(self._host_inputs([], [], [], B, M))
         if self.capture:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: lazy inits (cuBLAS handles) happen here
-                self._step(g)
-            torch.cuda.current_stream().wait_stream(side)
-            g.graph = torch.cuda.CUDAGraph()
-            # "thread_local": only this thread's calls are checked while it captures. With
-            # the default "global", a CUDA call that may not run during a capture (a
-            # cudaMalloc, a sync) made by ANY other thread of the process fails, and may
-            # invalidate this capture: the HTTP server ticks the engine in a thread of its
-            # own, beside others (PyTorch's own graph trees capture "thread_local" too).
-            with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode="thread_local"):
-                g.logits = self._step(g)
+            # on the pool's GPU (device="cuda:1": streams are made on the current device)
+            with torch.cuda.device(self.storage.device):
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up: lazy inits (cuBLAS handles) happen here
+                    self._step(g)
+                torch.cuda.current_stream().wait_stream(side)
+                self.capture_stream = self.capture_stream or torch.cuda.Stream()  # one for the pool
+                g.graph = torch.cuda.CUDAGraph()
+                # "thread_local": only this thread's calls are checked while it captures. With
+                # the default "global", a CUDA call that may not run during a capture (a
+                # cudaMalloc, a sync) made by ANY other thread of the process fails, and may
+                # invalidate this capture: the HTTP server ticks the engine in a thread of its
+                # own, beside others (PyTorch's own graph trees capture "thread_local" too).
+                with torch.cuda.graph(g.graph, pool=self.pool, stream=self.capture_stream,
+                                      capture_error_mode="thread_local"):
+                    g.logits = self._step(g)
         self.graphs[(B, M)] = g
         return g
 
