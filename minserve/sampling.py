@@ -140,7 +140,9 @@ class Sampler:
                 top = torch.topk(x, max(ks), dim=-1).values  # (S, k_max), descending
                 k = torch.tensor([max(k, 1) - 1 for k in ks], device=dev)  # (S,)
                 kth = top.gather(1, k[:, None])  # (S, 1)
-                kth[torch.tensor(ks, device=dev) == 0] = float("-inf")
+                # rows that keep every token: no threshold. masked_fill, not `kth[mask] =`:
+                # a boolean index makes a GPU send the mask's count to the host first
+                kth = kth.masked_fill(torch.tensor(ks, device=dev)[:, None] == 0, float("-inf"))
                 x = x.masked_fill(x < kth, float("-inf"))
             probs = torch.softmax(x, dim=-1)  # (S, V)
             nucleus = [j for j, i in enumerate(rows) if params[i].top_p < 1.0]

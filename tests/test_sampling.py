@@ -84,6 +84,9 @@ class HostReads(TorchDispatchMode):
     on a GPU each one waits for every kernel queued before it."""
 
     READS = ("aten._local_scalar_dense", "aten.is_nonzero")
+    # indexing with a boolean mask (`t[mask]`, `t[mask] = x`): the result's size is the
+    # mask's count, which a GPU must send to the host first (a `nonzero` inside the op)
+    INDEXING = ("aten.index.", "aten.index_put", "aten._index_put_impl_")
 
     def __init__(self):
         super().__init__()
@@ -93,7 +96,25 @@ class HostReads(TorchDispatchMode):
         name = str(func)
         if name.startswith(self.READS):
             self.ops[name] += 1
+        if name.startswith(self.INDEXING) and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
+            self.ops[name + " with a boolean mask"] += 1
         return func(*args, **(kwargs or {}))
+
+
+def test_the_batched_sampler_reads_the_host_only_for_its_one_copy():
+    """Every setting at once (greedy, temperature, top-k, top-p, both): not one operator
+    that waits for the GPU; the `.tolist()` of the answer (not an operator) is the one."""
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(), SamplingParams(temperature=0.7, seed=1),
+              SamplingParams(temperature=0.9, top_k=5, seed=2),
+              SamplingParams(temperature=1.1, top_p=0.8, seed=3),
+              SamplingParams(temperature=0.5, top_k=3, top_p=0.9, seed=4)]
+    with HostReads() as counted:
+        got = Sampler.sample(logits, params, [make_generator(p.seed or 0) for p in params])
+    assert not counted.ops, counted.ops
+    assert got == [Sampler.sample_row(row, p, make_generator(p.seed or 0))
+                   for row, p in zip(logits, params)]
 
 
 @pytest.mark.parametrize("runner", ["hf", "compact"])
