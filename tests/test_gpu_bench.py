@@ -120,3 +120,22 @@ def test_a_path_that_fails_leaves_the_other_figures(monkeypatch):
     assert isinstance(row["profile"]["minserve padded"], dict)
     md = gpu.markdown(res)
     assert "boom" in md and "bang" in md
+
+
+def test_the_gpu_check_scripts_bench_command_parses():
+    """scripts/gpu_check.sh's own command line, as the lent GPU will run it (with and
+    without REQUESTS): `gpu --out DIR` once failed there before anything ran, argparse
+    reading `--out` as an ambiguous short form of another experiment's options."""
+    import shlex
+    from pathlib import Path
+
+    from minserve.bench.cli import parser
+
+    script = (Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh").read_text()
+    line = next(x for x in script.splitlines() if "-m minserve.bench" in x)
+    words = shlex.split(line.split("-m minserve.bench", 1)[1].split("2>&1")[0])
+    for requests in ([], ["--requests", "32"]):
+        argv = [w for w in words if "REQUESTS" not in w] + requests
+        args = parser().parse_args([a.replace("$out", "gpu-out") for a in argv])
+        assert (args.experiment, args.device, args.out) == ("gpu", "cuda", "gpu-out")
+        assert args.requests == (int(requests[1]) if requests else None)

@@ -39,6 +39,10 @@ def _add(p: argparse.ArgumentParser, e: Experiment) -> None:
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """The default experiment's options on `p` itself, and one subcommand per experiment."""
+    # No abbreviations on `p`: it sees every word of the command line, an experiment's
+    # options too, and would read `gpu --out DIR` as an ambiguous short form of the
+    # default experiment's `--output-len` / `--out-dir` and refuse the whole command.
+    p.allow_abbrev = False
     p.add_argument("--list", action="store_true", help="list the experiments and exit")
     _add(p, EXPERIMENTS[DEFAULT])
     sub = p.add_subparsers(dest="experiment", metavar="EXPERIMENT",
@@ -65,8 +69,12 @@ def bench(args: argparse.Namespace) -> int:
     return EXPERIMENTS[args.experiment or DEFAULT].run(Bench(args)) or 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minserve.bench", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_bench_arguments(p)
-    return bench(p.parse_args(argv))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench(parser().parse_args(argv))
