@@ -13,12 +13,17 @@ cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+# Nothing is downloaded (random weights): with the hub offline a library that would look
+# for something there (HF continuous batching looks for flash-attention kernels) fails at
+# once instead of waiting on a network the lent machine does not have.
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 python3 - <<'PY' 2>&1 | tee "$out/device.txt"
 import torch, transformers
 print("torch", torch.__version__, "transformers", transformers.__version__,
       "cuda", torch.cuda.is_available() and torch.cuda.get_device_name(0))
 PY
-python3 -m pytest -q -o addopts="" -p no:cacheprovider -m cuda tests/test_cuda.py 2>&1 \
+# a hang in the tests must not take the benchmark's minutes: at most 5 of them
+timeout 300 python3 -m pytest -q -o addopts="" -p no:cacheprovider -m cuda tests/test_cuda.py 2>&1 \
     | tee "$out/cuda_tests.log"
 python3 -m minserve.bench gpu --device cuda --out "$out" ${REQUESTS:+--requests $REQUESTS} 2>&1 \
     | tee "$out/gpu_bench.log"
