@@ -1,5 +1,5 @@
 """On a CUDA GPU: every mode token-exact against HF `generate` on the device, in float32,
-with the decode step replayed from CUDA graphs and without (SPEC B2, D1, D5).
+with the decode step replayed from CUDA graphs and without (SPEC B2, C2, D1, D5).
 
 Marked `cuda`: skipped where there is no GPU (CI never has one); `pytest -m cuda` runs
 them, and `scripts/gpu_check.sh` runs them with the GPU benchmark on a lent machine.
@@ -33,6 +33,11 @@ MODES = {
     "compact preempt, tight pool": dict(backend="paged", model_runner="compact", admission="preempt",
                                         num_blocks=40),
     "fair, padded chunked": dict(policy="fair", backend="padded", prefill_chunk_size=24),
+    # prompts on a worker process: the model, the staging pool shared through CUDA IPC,
+    # cached prefixes copied into staging (the shared prefix above), each side
+    # synchronising before it tells the other (disagg/connector.py, `settle`)
+    "compact disaggregated": dict(backend="paged", model_runner="compact",
+                                  prefill_mode="disaggregated", prefill_worker_threads=1),
 }
 
 
@@ -57,8 +62,12 @@ def hf_greedy_cuda(model, ids, n):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_every_mode_on_cuda_gives_hf_tokens_with_graphs_and_without(model, oracle, mode, graphs):
     engine = make_engine(model, device="cuda", max_batch_size=4, cuda_graphs=graphs, **MODES[mode])
-    outs = engine.generate([p for p, _ in PLAN],
-                           [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in PLAN])
+    try:
+        outs = engine.generate([p for p, _ in PLAN],
+                               [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in PLAN])
+    finally:
+        if engine.scheduler.remote is not None:
+            engine.close()  # the prefill worker process
     assert [o.token_ids for o in outs] == oracle
     assert engine.scheduler.is_drained()
     g = engine.scheduler.backend.__dict__.get("graphs")
