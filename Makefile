@@ -63,7 +63,7 @@ notebooks-reset: setup  # a fresh copy of the lessons in work/ (the old one move
 	$(BIN)/python scripts/work_copy.py --reset
 
 test: setup browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25  # the slowest 25, so a slow test shows in CI's log
 
 test-fast: setup      # tiny models only: no real-model tests, no real-model notebook (its metadata says so)
 	$(BIN)/python -m pytest -q -m "not real_model"

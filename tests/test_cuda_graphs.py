@@ -12,6 +12,8 @@ import contextlib
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from minserve import EngineConfig, SamplingParams
 from minserve.backends.kv_storage import KVBlockStorage
@@ -234,3 +236,55 @@ def test_capture_all_captures_every_bucket_a_run_can_meet_largest_first(tiny_mod
     engine.generate([p for p, _ in PLAN], [SamplingParams(max_tokens=n, ignore_eos=True)
                                             for _, n in PLAN])
     assert len(graphs.graphs) == 20 and graphs.replays > 10
+
+
+class CaptureRules(TorchDispatchMode):
+    """Every operator the step dispatches, checked against what a CUDA graph can record:
+    no tensor from the host (a `torch.tensor(list)` or a `.to(device)` of a CPU tensor is
+    a pageable copy, refused during a capture; a CPU scalar tensor would be read once, at
+    capture, and baked into every replay) and no value read back (`.item()`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.broken = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops += 1
+        host = [tuple(t.shape) for t in tree_flatten((args, kwargs))[0]
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+        if host or func is torch.ops.aten._local_scalar_dense.default:
+            self.broken.append((str(func), host))
+        return func(*args, **kwargs)
+
+
+def meta_graphs(max_batch_size=4):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).eval()
+    storage = KVBlockStorage.for_model(model, 16, 4, spare_blocks=1)
+    return DecodeGraphs(CompactLlama(model, 256), storage, max_batch_size, 256, capture=False)
+
+
+def test_the_recorded_step_takes_nothing_from_the_host_and_reads_nothing_back(monkeypatch):
+    """What `_make` captures, `_step` over a bucket's buffers, run on the meta device under
+    `CaptureRules`: every operator a device operator on device tensors. The inputs reach
+    the device before, in `run`'s one copy. Proved able to fail: a step that builds its
+    key positions on the host, or takes a scalar as a CPU tensor, is caught."""
+    graphs = meta_graphs()
+    for B, M in ((1, 1), (4, 8)):
+        g = graphs._make(B, M)
+        with torch.inference_mode(), CaptureRules() as rules:
+            out = graphs._step(g)
+        assert out.shape == (B, 256) and rules.ops > 50 and rules.broken == [], rules.broken
+
+    arange = torch.arange  # the mutation: positions made on the host, then moved
+    monkeypatch.setattr(torch, "arange", lambda *a, device=None, **k: arange(*a, **k).to(device))
+    g = graphs._make(2, 2)
+    with torch.inference_mode(), CaptureRules() as rules:
+        graphs._step(g)
+    assert [shape for _, shape in rules.broken] == [[(8,)]], rules.broken  # the 2 x 4 keys
