@@ -4,6 +4,7 @@
 #
 #     bash scripts/gpu_check.sh            # ~8 min on an H200: tests ~1 min, bench ~7 min
 #     REQUESTS=32 bash scripts/gpu_check.sh  # a shorter bench
+#     SHAPES=llama-3.2-1b bash scripts/gpu_check.sh  # one shape (of minserve/bench/gpu.py's)
 #
 # Needs torch with CUDA and transformers >= 5 on that machine; minserve is imported from
 # this checkout (no install). nbval is not needed there: the repository's pytest options
@@ -25,5 +26,6 @@ PY
 # a hang in the tests must not take the benchmark's minutes: at most 5 of them
 timeout 300 python3 -m pytest -q -o addopts="" -p no:cacheprovider -m cuda tests/test_cuda.py 2>&1 \
     | tee "$out/cuda_tests.log"
-python3 -m minserve.bench gpu --device cuda --out "$out" ${REQUESTS:+--requests $REQUESTS} 2>&1 \
+python3 -m minserve.bench gpu --device cuda --out "$out" ${REQUESTS:+--requests $REQUESTS} \
+    ${SHAPES:+--shapes $SHAPES} 2>&1 \
     | tee "$out/gpu_bench.log"

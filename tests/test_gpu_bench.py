@@ -132,10 +132,10 @@ def test_the_gpu_check_scripts_bench_command_parses():
     from minserve.bench.cli import parser
 
     script = (Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh").read_text()
-    line = next(x for x in script.splitlines() if "-m minserve.bench" in x)
-    words = shlex.split(line.split("-m minserve.bench", 1)[1].split("2>&1")[0])
-    for requests in ([], ["--requests", "32"]):
-        argv = [w for w in words if "REQUESTS" not in w] + requests
+    command = script.split("-m minserve.bench", 1)[1].split("2>&1 \\\n    | tee")[0]
+    words = shlex.split(command.replace("\\\n", " "))
+    for extra in ([], ["--requests", "32", "--shapes", "llama-3.2-1b"]):
+        argv = [w for w in words if "$" not in w or w == "$out"] + extra  # REQUESTS, SHAPES
         args = parser().parse_args([a.replace("$out", "gpu-out") for a in argv])
         assert (args.experiment, args.device, args.out) == ("gpu", "cuda", "gpu-out")
-        assert args.requests == (int(requests[1]) if requests else None)
+        assert (args.requests, args.shapes) == ((32, ["llama-3.2-1b"]) if extra else (None, None))
