@@ -17,7 +17,10 @@ every typical wrong submission of tests/lab_corpus/<lab>/ (the student version w
 graded cell replaced) goes through `otter run` with the lab's autograder zip, in a fresh
 kernel each; `grade_corpus` splits them over two processes, each calling otter run's own
 function for one submission after another (otter's imports are paid once per process,
-the kernel's per submission, as in a grading container). `check` is the quick in-process
+the kernel's per submission, as in a grading container). `make test` puts only the
+solutions and one wrong submission per lab through `otter run`, and the whole corpus
+through `grade_forked` (the same tests and test runner, a fork instead of a kernel).
+`check` is the quick in-process
 variant: the notebook's code runs top to bottom here (a cell that raises is recorded and
 the run goes on), then otter's own test-file runner (`otter.test_files.ExceptionTestFile`)
 runs each test against the resulting namespace; the test suite still uses it for the
@@ -253,24 +256,80 @@ def grade_many(jobs: list[tuple[str, str, str]]) -> list[dict]:
     return [{"label": label, **otter_run(Path(z), Path(sub))} for label, z, sub in jobs]
 
 
+def _graded(notebook: str, tests_dir: str) -> dict:
+    """`grade`'s result in `otter_run`'s shape: per question (test file) otter's own score,
+    possible and the messages of the failed cases (`otter.test_files`' TestFile)."""
+    from otter.test_files import ExceptionTestFile
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    env, errors = run_notebook(Path(notebook))
+    out = {"seconds": 0.0, "cpu_seconds": 0.0, "cell_errors": errors, "questions": {}}
+    for test_file in sorted(Path(tests_dir).glob("*.py")):
+        tf = ExceptionTestFile.from_file(str(test_file))
+        tf.run(env)
+        out["questions"][tf.name] = {
+            "score": tf.score, "possible": tf.possible,
+            "failed": [r.message for r in tf.test_case_results if not r.passed]}
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    out["cpu_seconds"] = round(time.process_time() - c0, 1)
+    return out
+
+
+def grade_forked(jobs: list[tuple[str, str, str]], timeout_s: float = 300) -> list[dict]:
+    """jobs: (label, tests folder, submission). Each submission runs in a process of its
+    own, forked from this one, then otter's test-file runner runs every test of the
+    folder (the hidden ones too) against what its cells left: a fresh process per
+    submission like `otter run`'s fresh kernel, without its kernel start and imports
+    (about 3 of its 4 s of CPU). This process has imported what grading needs and run no
+    torch operator, so the forks are safe (OpenMP's threads do not survive a fork)."""
+    import importlib
+    import multiprocessing as mp
+
+    # imported once here, inherited by every fork: the labs' checks, and transformers'
+    # Llama (the tiny engine's model; about 2 s of CPU to import)
+    for module in ("nbformat", "otter.test_files", "transformers.models.llama.modeling_llama",
+                   *(f"minserve.labs.{p.stem}" for p in (ROOT / "minserve" / "labs").glob("*.py"))):
+        importlib.import_module(module)
+
+    out = []
+    with mp.get_context("fork").Pool(1, maxtasksperchild=1) as pool:
+        for label, tests_dir, sub in jobs:
+            res = pool.apply_async(_graded, (sub, tests_dir)).get(timeout_s)
+            out.append({"label": label, "runner": "forked", **res})
+    return out
+
+
 def grade_corpus(built: dict[str, Path], work: Path, labs: list[str] | None = None,
-                 workers: int = 2) -> dict[str, dict]:
-    """Every lab's solution (the autograder's notebook) and every corpus submission through
-    `otter run`, split over `workers` processes. Returns label -> result, with labels
-    "<lab>/solution" and "<lab>/<mistake>"."""
+                 workers: int = 2, otter_all: bool = True) -> dict[str, dict]:
+    """Every lab's solution (the autograder's notebook) and every corpus submission, graded
+    over `workers` processes. Returns label -> result, with labels "<lab>/solution" and
+    "<lab>/<mistake>", and each result's "runner".
+
+    otter_all: every one through `otter run` (`make lab-check`, `labs.py corpus`).
+    Otherwise (`make test`) the solutions and each lab's first wrong submission go
+    through `otter run`, and every submission, those too, through `grade_forked`: same
+    tests, same runner of them, a fork instead of a kernel. Where both graded one, its
+    result says what the fork gave under "forked", for the test that the two agree."""
     import json
     import subprocess
 
-    jobs = []
+    jobs = []  # (kind, label, zip or tests folder, submission)
     for lab, d in built.items():
         if labs and lab not in labs:
             continue
-        z = autograder_zip(d)
-        jobs.append((f"{lab}/solution", str(z), str(d / "autograder" / f"{lab}.ipynb")))
+        z, tests = autograder_zip(d), d / "autograder" / "tests"
+        subs = [(f"{lab}/solution", d / "autograder" / f"{lab}.ipynb")]
         for m in corpus(lab):
-            sub = write_submission(d / "student" / f"{lab}.ipynb", m.code, work / lab / m.name)
-            jobs.append((f"{lab}/{m.name}", str(z), str(sub)))
-    jobs.sort(key=lambda j: "capstone" not in j[0])  # the longest first: better balance
+            subs.append((f"{lab}/{m.name}",
+                         write_submission(d / "student" / f"{lab}.ipynb", m.code, work / lab / m.name)))
+        first_wrong = next(m.name for m in corpus(lab) if not m.correct)
+        for label, sub in subs:
+            if otter_all or label.endswith(("/solution", f"/{first_wrong}")):
+                jobs.append(("otter", label, str(z), str(sub)))
+            if not otter_all:
+                jobs.append(("forked", label, str(tests), str(sub)))
+    # the forks first in each process (before any kernel's threads), the longest first
+    jobs.sort(key=lambda j: (j[0] == "otter", "capstone" not in j[1]))
     shards = [jobs[i::workers] for i in range(workers)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(SHIMS), os.environ.get("PYTHONPATH", "")) if p)}
@@ -280,19 +339,33 @@ def grade_corpus(built: dict[str, Path], work: Path, labs: list[str] | None = No
         spec.write_text(json.dumps(shard))
         procs.append(subprocess.Popen([sys.executable, __file__, "grade-jobs", str(spec)],
                                       stdout=subprocess.PIPE, text=True, cwd=work, env=env))
-    results = {}
+    results: dict[str, dict] = {}
+    forked: dict[str, dict] = {}
     for p in procs:
         out, _ = p.communicate(timeout=1200)
         if p.returncode:
             raise RuntimeError(f"a grading process failed ({p.returncode}): {out[-2000:]}")
         for r in json.loads(out.splitlines()[-1]):
-            results[r["label"]] = r
+            (forked if r["runner"] == "forked" else results)[r["label"]] = r
+    for label, r in forked.items():
+        if label in results:
+            results[label]["forked"] = r
+        else:
+            results[label] = r
     return results
 
 
+def grade_jobs(jobs: list[list[str]]) -> list[dict]:
+    """One grading process of `grade_corpus`: its forked jobs, then its `otter run`s."""
+    forked = grade_forked([(label, a, sub) for kind, label, a, sub in jobs if kind == "forked"])
+    ran = [{"runner": "otter run", **r} for r in
+           grade_many([(label, a, sub) for kind, label, a, sub in jobs if kind == "otter"])]
+    return forked + ran
+
+
 def corpus_report(results: dict[str, dict]) -> str:
-    lines = ["| submission | score | otter run (s) | CPU (s) | first message |",
-             "|---|---|---|---|---|"]
+    lines = ["| submission | score | graded by | seconds | CPU (s) | first message |",
+             "|---|---|---|---|---|---|"]
     for label in sorted(results):
         r = results[label]
         score = sum(q["score"] for q in r["questions"].values())
@@ -302,7 +375,8 @@ def corpus_report(results: dict[str, dict]) -> str:
         if msgs:
             first = next((ln.strip() for ln in msgs[0].splitlines() if "LabCheckFailed" in ln),
                          msgs[0].strip().splitlines()[-1])[:110]
-        lines.append(f"| {label} | {score:g} / {possible:g} | {r['seconds']} | "
+        lines.append(f"| {label} | {score:g} / {possible:g} | {r.get('runner', 'otter run')} | "
+                     f"{r['seconds']} | "
                      f"{r.get('cpu_seconds', '')} | {first} |")
     return "\n".join(lines)
 
@@ -312,7 +386,7 @@ if __name__ == "__main__":
     if cmd == "grade-jobs":  # internal: one grading process of grade_corpus
         import json
 
-        print(json.dumps(grade_many(json.loads(Path(sys.argv[2]).read_text()))))
+        print(json.dumps(grade_jobs(json.loads(Path(sys.argv[2]).read_text()))))
         sys.exit(0)
     if cmd == "grade":
         import json

@@ -6,7 +6,9 @@ otter (`scripts/labs.py build`, into a temporary folder). Then, the way a teache
 * every lab's solution, and every typical wrong submission of `tests/lab_corpus/<lab>/`
   (the student version with its graded cell replaced by the mistake), goes through
   `otter run` with that lab's autograder zip: a fresh kernel runs the notebook, then every
-  test, hidden ones included. Solutions score full marks; each mistake scores below full,
+  test, hidden ones included. Under `make test` only the solutions and one wrong
+  submission per lab do; the rest are graded by the same tests in a forked process
+  (`grade_forked`), and a test checks that the two runners agree where both ran. Solutions score full marks; each mistake scores below full,
   and the messages say what its `# expect:` lines say (the mistake, and where to look).
   The submissions are split over two grading processes (the CPU has two cores).
 * the student version, stubs as shipped, fails every test with a message (never a bare
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -31,6 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 labs_script = load_script("labs")
 
 LABS = [p.stem for p in labs_script.lab_sources()]
+# `make lab-check` sets it: every submission through `otter run`, not only the solutions
+# and one wrong submission per lab (`grade_corpus`)
+OTTER_ALL = "MINSERVE_LABS_OTTER_RUN_ALL"
 CORPUS = labs_script.corpus()
 MISTAKES = [m for m in CORPUS if not m.correct]
 CORRECT = [m for m in CORPUS if m.correct]
@@ -72,7 +78,8 @@ def built(tmp_path_factory):
 def otter_graded(built, tmp_path_factory):
     """label -> `otter run` result, for every solution and every corpus submission. The
     table (scores, seconds per submission, first message) goes to build/labs/."""
-    results = labs_script.grade_corpus(built, tmp_path_factory.mktemp("submissions"), workers=2)
+    results = labs_script.grade_corpus(built, tmp_path_factory.mktemp("submissions"), workers=2,
+                                       otter_all=os.environ.get(OTTER_ALL) == "1")
     report = ROOT / "build" / "labs" / "grading-report.md"
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text(labs_script.corpus_report(results) + "\n")
@@ -90,6 +97,34 @@ def test_the_solution_scores_full_marks_under_otter_run(otter_graded, lab):
     failed = [m for q in result["questions"].values() for m in q["failed"]]
     score, possible = _score(result)
     assert possible > 0 and score == possible and not failed, "\n".join(failed)
+
+
+def _first_lines(result) -> dict[str, list[str]]:
+    """Per question, each failed case's LabCheckFailed line: what the student reads."""
+    return {name: [next((ln.strip() for ln in m.splitlines() if "LabCheckFailed" in ln), m)
+                   for m in q["failed"]] for name, q in result["questions"].items()}
+
+
+def test_otter_run_grades_each_lab_and_the_forked_runner_agrees_with_it(otter_graded):
+    """Every lab's solution and one wrong submission per lab went through `otter run`
+    (with MINSERVE_LABS_OTTER_RUN_ALL=1, as `make lab-check` runs, every submission did);
+    the rest of the corpus through `grade_forked`: the same autograder tests run by
+    otter's own test runner, in a process forked per submission instead of a kernel.
+    Where both graded a submission, the scores and the messages are the same: the cheaper
+    runner says what otter run would."""
+    by_otter = [label for label, r in otter_graded.items() if r["runner"] == "otter run"]
+    assert {f"{lab}/solution" for lab in LABS} <= set(by_otter)
+    for lab in LABS:  # a wrong submission, not only the solution, through the real tool
+        assert any(label.startswith(f"{lab}/") and not label.endswith("/solution")
+                   for label in by_otter), lab
+    both = [label for label in by_otter if "forked" in otter_graded[label]]
+    if os.environ.get(OTTER_ALL) != "1":
+        assert len(both) == len(by_otter) == 2 * len(LABS), by_otter
+    for label in both:
+        ran, forked = otter_graded[label], otter_graded[label]["forked"]
+        assert {n: (q["score"], q["possible"]) for n, q in ran["questions"].items()} == {
+            n: (q["score"], q["possible"]) for n, q in forked["questions"].items()}, label
+        assert _first_lines(ran) == _first_lines(forked), label
 
 
 @pytest.mark.parametrize("submission", CORRECT, ids=[f"{m.lab}/{m.name}" for m in CORRECT])
