@@ -112,16 +112,8 @@ def test_the_static_step_reads_no_value_on_the_host_so_a_graph_can_record_it():
     host (`.item()`, `bool(t)`, a shape taken from the data) cannot be captured. On the
     meta device tensors have shapes and no values, so any such read raises: the whole
     static step, the compact forward and the paged attention in it, runs there."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      attn_implementation="sdpa")
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg).eval()
-    storage = KVBlockStorage.for_model(model, 16, 4, spare_blocks=1)
-    assert storage.device.type == "meta"
-    graphs = DecodeGraphs(CompactLlama(model, 256), storage, 4, 256, capture=False)
+    graphs = meta_graphs()
+    assert graphs.storage.device.type == "meta"
     out = graphs.run([1, 2, 3], [5, 9, 2], [[0, 1], [2, 3, 4], [5]])
     assert out.shape == (3, 256) and out.device.type == "meta"
 
