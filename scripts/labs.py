@@ -130,16 +130,23 @@ def run_notebook(path: Path) -> tuple[dict, list[str]]:
     return env, errors
 
 
-def grade(notebook: Path, tests_dir: Path) -> Graded:
-    """Run the notebook, then every test file of tests_dir against its namespace."""
+def run_tests(env: dict, tests_dir: Path) -> list:
+    """Every test file of tests_dir run by otter's own runner against `env`, in name order:
+    otter's TestFile objects (per case `test_case_results`; `score`, `possible`)."""
     from otter.test_files import ExceptionTestFile
 
+    files = [ExceptionTestFile.from_file(str(p)) for p in sorted(tests_dir.glob("*.py"))]
+    for tf in files:
+        tf.run(env)
+    return files
+
+
+def grade(notebook: Path, tests_dir: Path) -> Graded:
+    """Run the notebook, then every test file of tests_dir against its namespace."""
     t0 = time.perf_counter()
     env, errors = run_notebook(notebook)
     g = Graded(notebook, 0.0, errors)
-    for test_file in sorted(tests_dir.glob("*.py")):
-        tf = ExceptionTestFile.from_file(str(test_file))
-        tf.run(env)
+    for tf in run_tests(env, tests_dir):
         g.results[tf.name] = [(r.passed, r.message) for r in tf.test_case_results]
     g.seconds = time.perf_counter() - t0
     return g
@@ -259,14 +266,10 @@ def grade_many(jobs: list[tuple[str, str, str]]) -> list[dict]:
 def _graded(notebook: str, tests_dir: str) -> dict:
     """`grade`'s result in `otter_run`'s shape: per question (test file) otter's own score,
     possible and the messages of the failed cases (`otter.test_files`' TestFile)."""
-    from otter.test_files import ExceptionTestFile
-
     t0, c0 = time.perf_counter(), time.process_time()
     env, errors = run_notebook(Path(notebook))
     out = {"seconds": 0.0, "cpu_seconds": 0.0, "cell_errors": errors, "questions": {}}
-    for test_file in sorted(Path(tests_dir).glob("*.py")):
-        tf = ExceptionTestFile.from_file(str(test_file))
-        tf.run(env)
+    for tf in run_tests(env, Path(tests_dir)):
         out["questions"][tf.name] = {
             "score": tf.score, "possible": tf.possible,
             "failed": [r.message for r in tf.test_case_results if not r.passed]}
@@ -318,11 +321,12 @@ def grade_corpus(built: dict[str, Path], work: Path, labs: list[str] | None = No
         if labs and lab not in labs:
             continue
         z, tests = autograder_zip(d), d / "autograder" / "tests"
+        written = corpus(lab)
         subs = [(f"{lab}/solution", d / "autograder" / f"{lab}.ipynb")]
-        for m in corpus(lab):
+        for m in written:
             subs.append((f"{lab}/{m.name}",
                          write_submission(d / "student" / f"{lab}.ipynb", m.code, work / lab / m.name)))
-        first_wrong = next(m.name for m in corpus(lab) if not m.correct)
+        first_wrong = next(m.name for m in written if not m.correct)
         for label, sub in subs:
             if otter_all or label.endswith(("/solution", f"/{first_wrong}")):
                 jobs.append(("otter", label, str(z), str(sub)))
