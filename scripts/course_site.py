@@ -431,6 +431,11 @@ def index_page(plan: list[dict], labs: dict[str, str], doc_titles: dict[str, str
                           for x in row["labs"]) or "-"
         lines.append(f"| {row['nn']} | [{row['title']}](notebooks/{row['file']}) | "
                      f"{row['question']} | {lab} | {row['study']} |")
+    placed = {x["lab"] for row in plan for x in row["labs"]}
+    later = [f"[{title}](notebooks/labs/{lab}.ipynb)" for lab, title in labs.items()
+             if lab not in placed]
+    if later:  # a lab that follows labs, not a lesson (the capstone)
+        lines += ["", "Then " + ", ".join(later) + "."]
     lines += ["", "The lessons' objectives, prerequisites and the glossary of requirement "
               "ids: [the course](notebooks/README.md). The labs, how to hand them out and "
               "grade them: [teaching](docs/teaching.md).", "", "## How it works", ""]
