@@ -90,7 +90,10 @@ def code_files() -> list[Path]:
 
 
 def code_page(path_in_repo: str) -> str:
-    """The site's page (relative to the site's root) of a file of the repository."""
+    """The site's page (relative to the site's root) of a file of the repository: a
+    lesson's page, or a source file's."""
+    if path_in_repo.endswith(".ipynb"):
+        return path_in_repo.removesuffix(".ipynb") + ".html"
     return f"{path_in_repo}.html"
 
 
@@ -256,13 +259,17 @@ PATH_SPAN = re.compile(r"(minserve/[\w/]+\.(?:py|c))(?:(?:::|\.|:)([\w.]+))?")
 class CodeLinks:
     """Turns the inline code of a page (`minserve/scheduler.py`, `Scheduler.step`,
     `engine.scheduler.admit_pending()`, `_promote_to_decode`) into links to the line of
-    the site's code page that defines it."""
+    the site's code page that defines it (and a lesson's file name, `01_one_tick.ipynb`,
+    into a link to the lesson's page)."""
 
     def __init__(self) -> None:
         self.index, self.count = symbol_index()
         self.pages = {p.relative_to(ROOT).as_posix() for p in code_files()}
 
     def target(self, span: str) -> tuple[str, int] | None:
+        lesson = re.fullmatch(r"(?:notebooks/)?(\d\d_\w+)\.ipynb", span.strip())
+        if lesson and (NOTEBOOKS / f"{lesson.group(1)}.ipynb").is_file():
+            return f"notebooks/{lesson.group(1)}.ipynb", 0
         m = PATH_SPAN.fullmatch(span.strip())
         if m:
             path, sym = m.groups()
@@ -474,6 +481,11 @@ def title_of(md: str, default: str) -> str:
     return m.group(1).strip() if m else default
 
 
+def md_escape(name: str) -> str:
+    """A file name as markdown text: `__init__.py`'s underscores are not bold."""
+    return name.replace("_", "\\_")
+
+
 def code_pages(stage: Path) -> None:
     """A page per file of the package: the source with a line anchor per line (`#L-42`)."""
     from pygments import highlight
@@ -494,7 +506,7 @@ def code_pages(stage: Path) -> None:
         dest = stage / f"{rel}.md"
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_text(
-            f"# {rel}\n\n"
+            f"# {md_escape(rel)}\n\n"
             f"{n} lines, as this site was built. In your own install: "
             f"`python -c \"import minserve; print(minserve.__file__)\"` says where the package "
             f"is.\n\n```{{raw}} html\n<div class=\"code-page\">{body}</div>\n```\n",
@@ -506,7 +518,7 @@ def code_pages(stage: Path) -> None:
              "lessons and pages link the line that defines what they name.", ""]
     for folder, files in groups.items():
         lines += [f"## `{folder}/`", "", "| file | what it is |", "|---|---|"]
-        lines += [f"| [{Path(rel).name}]({Path(rel).relative_to('minserve')}.md) | "
+        lines += [f"| [{md_escape(Path(rel).name)}]({Path(rel).relative_to('minserve')}.md) | "
                   f"{first.replace('|', '/')} |" for rel, first in files]
         lines.append("")
     lines += ["```{toctree}", ":hidden:", ":maxdepth: 1", "",

@@ -62,7 +62,8 @@ def test_a_named_function_links_to_the_line_that_defines_it(entry, form):
 def test_a_file_name_links_to_its_page_and_code_blocks_links_and_headings_stay():
     md = ("The stepper (`minserve/inspection/stepper.py`) and `minserve/scheduler.py::Scheduler`.\n"
           "```python\n`minserve/scheduler.py`\n```\n# `minserve/engine.py`\n"
-          "[`minserve/engine.py`](../minserve/engine.py) `not_a_name_here_xyz` `step`")
+          "[`minserve/engine.py`](../minserve/engine.py) `not_a_name_here_xyz` `step` "
+          "`01_one_tick.ipynb` `99_no_such_lesson.ipynb`")
     out = LINKS.link(md, "docs/page.md")
     assert 'href="../minserve/inspection/stepper.py.html"><code>minserve/inspection/stepper.py' in out
     sched = ast.parse((ROOT / "minserve/scheduler.py").read_text())
@@ -72,6 +73,8 @@ def test_a_file_name_links_to_its_page_and_code_blocks_links_and_headings_stay()
     assert lines[2] == "`minserve/scheduler.py`" and lines[4] == "# `minserve/engine.py`"
     assert "[`minserve/engine.py`](../minserve/engine.py)" in out  # already a link
     assert "`not_a_name_here_xyz`" in out and "`step`" in out  # unknown, or not one place
+    assert 'href="../notebooks/01_one_tick.html"><code>01_one_tick.ipynb' in out
+    assert "`99_no_such_lesson.ipynb`" in out
 
 
 def test_the_execution_cache_key_follows_the_notebook_and_the_package(tmp_path, monkeypatch):
