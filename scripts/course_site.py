@@ -252,7 +252,7 @@ def symbol_index() -> tuple[dict[str, tuple[str, int]], dict[str, int]]:
     return index, count
 
 
-CODE_SPAN = re.compile(r"(?<![`\[])`([^`\n]+)`(?!`)")
+CODE_SPAN = re.compile(r"`([^`\n]+)`")  # left to right, as markdown pairs them
 PATH_SPAN = re.compile(r"(minserve/[\w/]+\.(?:py|c))(?:(?:::|\.|:)([\w.]+))?")
 
 
@@ -308,8 +308,8 @@ class CodeLinks:
                 continue
 
             def sub(m, line=line):
-                if line[m.end():m.end() + 2] == "](":
-                    return m.group(0)
+                if line[m.end():m.end() + 2] == "](" or line[m.start() - 1:m.start()] == "[":
+                    return m.group(0)  # (part of) a link's text already
                 t = self.target(m.group(1))
                 if not t:
                     return m.group(0)
