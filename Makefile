@@ -86,7 +86,7 @@ class-bundle: setup  # dist/class-<version>/ and dist/class-<version>.zip
 
 # The course as a static site in site/ (git-ignored), read offline: open site/index.html.
 # The lessons are executed once and kept in build/site-cache/ (keyed by the notebook, the
-# package and the versions); a build with nothing changed executes none (docs/teaching.md).
+# package and the versions); a build with nothing changed executes none (docs/site.md).
 # make class-bundle ARGS=--with-site puts it in the class bundle.
 site: setup          # site/: the lessons executed, the labs' student versions, docs, search, the code
 	$(BIN)/python scripts/course_site.py $(ARGS)

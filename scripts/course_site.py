@@ -21,7 +21,7 @@ The generator is Sphinx with MyST-NB and the Sphinx Book Theme (Jupyter Book 1's
 engine): made for executed notebooks, it builds and serves offline. (Jupyter Book 2
 fetches its theme from the network at build time, Quarto's PyPI package downloads its
 binary when installed, and MkDocs-Material's offline plugin still points at a CDN and
-reaches its end of life in 2027: docs/teaching.md, "The course as a site".) plotly.js is
+reaches its end of life in 2027: docs/site.md, "Why Sphinx with MyST-NB".) plotly.js is
 copied from the installed plotly into the site; nothing is fetched when the site is read.
 
 Executing the eight lessons takes minutes of CPU, so each executed lesson is kept in
