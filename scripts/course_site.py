@@ -27,7 +27,10 @@ copied from the installed plotly into the site; nothing is fetched when the site
 Executing the eight lessons takes minutes of CPU, so each executed lesson is kept in
 `build/site-cache/` under a key made of the notebook's bytes, every file of the package,
 the probes run in its kernel and the versions of Python, torch, transformers and plotly:
-a second build with nothing changed executes nothing. The site passes the class bundle's
+a second build with nothing changed executes nothing. (The stepper's frames are recorded
+by clicking the stepper a lesson displays, which moves its engine on: the build refuses a
+lesson whose later cell names that stepper again; lessons 01 and 08 display theirs in
+their last cells, where a student clicks it.) The site passes the class bundle's
 scan before it is written (scripts/class_bundle.py: no line of a lab's solution or hidden
 test, no otter marker): a build that would publish one fails and writes nothing.
 """
