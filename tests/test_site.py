@@ -227,6 +227,17 @@ def test_no_page_holds_a_line_of_a_solution_or_a_hidden_test(site):
 
 
 @reader
+def test_the_class_bundle_carries_the_site_and_passes_its_scan(site, tmp_path):
+    """`make class-bundle ARGS=--with-site`: the bundle's site/ is the site, scanned with
+    the rest of the bundle, and its README says how to open it."""
+    dest = bundle_script.build(tmp_path / "dist", make_zip=False, site=site)
+    assert (dest / "site" / "index.html").is_file()
+    assert sorted(p.relative_to(dest / "site") for p in (dest / "site").rglob("*.html")) == \
+        sorted(p.relative_to(site) for p in site.rglob("*.html"))
+    assert "site/index.html" in (dest / "README.md").read_text(encoding="utf-8")
+
+
+@reader
 def test_every_internal_link_and_anchor_resolves_and_nothing_is_fetched_from_outside(site):
     bad, ids = [], {}
     for page in pages(site):
