@@ -657,10 +657,18 @@ def build(out: Path = DEFAULT_OUT, jobs: int = 2, use_cache: bool = True) -> dic
     return times
 
 
+SECRET_ENV = "MINSERVE_LAB_SECRET"  # scripts/labs.py's: the hidden tests' inputs come from it
+
+
 def scan(folder: Path) -> list[str]:
-    """The class bundle's scan (scripts/class_bundle.py) over a built site."""
+    """The class bundle's scan (scripts/class_bundle.py) over a built site; with the
+    instructor's secret in the environment (a teacher's machine), the secret too."""
     sources = sorted((NOTEBOOKS / "labs").glob("lab*.ipynb"))
-    return class_bundle.leaks(folder, class_bundle.forbidden_strings(sources))
+    forbidden = class_bundle.forbidden_strings(sources)
+    secret = os.environ.get(SECRET_ENV, "")
+    if len(secret) >= 4:
+        forbidden[secret] = f"the instructor's secret (${SECRET_ENV})"
+    return class_bundle.leaks(folder, forbidden)
 
 
 def size_mb(folder: Path) -> float:

@@ -130,6 +130,16 @@ def test_the_scan_reads_a_page_as_a_reader_does(tmp_path):
     assert found and all(f.startswith("minserve/labs/fcfs.py.html") for f in found), found
 
 
+def test_the_site_scan_looks_for_the_instructors_secret_too(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "index.html").write_text("<p>inputs drawn from <b>s3cret-of-the-term</b></p>")
+    monkeypatch.delenv("MINSERVE_LAB_SECRET", raising=False)
+    assert site_script.scan(site) == []
+    monkeypatch.setenv("MINSERVE_LAB_SECRET", "s3cret-of-the-term")
+    assert any("instructor's secret" in f for f in site_script.scan(site))
+
+
 def test_class_bundle_with_site_scans_the_site_it_carries(tmp_path):
     """`make class-bundle ARGS=--with-site`: the site goes into the bundle's site/ and the
     bundle's scan covers it: a site holding a hidden test's line is not handed out."""
