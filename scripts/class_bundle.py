@@ -1,6 +1,6 @@
 """`make class-bundle`: what an instructor hands out to a class, without the repository.
 
-    python scripts/class_bundle.py [--out dist] [--no-zip]
+    python scripts/class_bundle.py [--out dist] [--no-zip] [--with-site]
 
 writes `dist/class-<version>/` and `dist/class-<version>.zip`:
 
@@ -11,6 +11,8 @@ writes `dist/class-<version>/` and `dist/class-<version>.zip`:
     lessons/       what `make notebooks` puts in work/: the lessons, and each lab's student
                    version in lessons/labs/<lab>/ (stubs, public tests), never its source
     docs/          the pages and pictures the lessons link to (`../docs/...`)
+    site/          with --with-site: the course as a static site (`make site`), read offline
+                   from site/index.html; scanned like the rest (its pages as a reader reads them)
 
 The bundle holds no solution and no hidden test, checked by content before anything is
 written out: the forbidden strings are derived from the labs' source notebooks (every
@@ -117,6 +119,9 @@ def _texts(path: Path, data: bytes):
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         return  # a picture
+    if path.suffix == ".html":  # a page of the course site: its text as a reader sees it
+        yield str(path), text   # (code highlighted span by span reads whole only here)
+        text, path = html_text(text), Path(f"{path} (as read)")
     if path.suffix == ".ipynb":
         strings: list[str] = []
 
@@ -137,11 +142,26 @@ def _texts(path: Path, data: bytes):
     yield str(path), text
 
 
+def html_text(page: str) -> str:
+    """An HTML page's text: tags dropped, entities decoded (scripts' text kept)."""
+    from html.parser import HTMLParser
+
+    parts: list[str] = []
+    parser = HTMLParser(convert_charrefs=True)
+    parser.handle_data = parts.append
+    parser.feed(page)
+    parser.close()
+    return "".join(parts)
+
+
 def open_reference(name: str) -> bool:
-    """A module of the wheel's engine (not its labs' checks): the reference the labs rewrite."""
+    """A module of the wheel's engine (not its labs' checks): the reference the labs rewrite.
+    So is the course site's page of one (`make site` renders each engine module as
+    `minserve/<path>.py.html`; it renders none of minserve/labs/)."""
     parts = Path(name).parts
-    return "minserve" in parts and "labs" not in parts[parts.index("minserve"):] \
-        and name.endswith(".py") and ".whl" in name
+    return "minserve" in parts and "labs" not in parts[parts.index("minserve"):] and (
+        (name.endswith(".py") and ".whl" in name)
+        or (".whl" not in name and re.search(r"\.py\.html( \(as read\))?$", name) is not None))
 
 
 def leaks(folder: Path, forbidden: dict[str, str]) -> list[str]:
@@ -275,12 +295,28 @@ grade").
 """
 
 
-def build(out: Path = ROOT / "dist", make_zip: bool = True) -> Path:
+SITE_README = """
+## The course as a site
+
+Open `site/index.html` in a browser: the lessons as they ran (code, outputs, live
+figures), the labs' texts and how they are graded, the docs, the code and a search box.
+No network and no server needed; running a lesson still takes JupyterLab (above).
+"""
+
+
+def build(out: Path = ROOT / "dist", make_zip: bool = True, site: Path | None = None) -> Path:
     """Build the bundle into out/class-<version>/ (replacing an older one) and, unless
-    make_zip is False, zip it; refuse (SystemExit) if anything would leak."""
+    make_zip is False, zip it; refuse (SystemExit) if anything would leak. `site`: a built
+    course site (`make site`, scripts/course_site.py) to put in the bundle's site/; the
+    scan covers it like everything else."""
     p = pins()
     name = f"class-{version()}"
     sources = sorted((ROOT / "notebooks" / work_copy.LABS).glob("lab*.ipynb"))
+    forbidden = forbidden_strings(sources)
+    bad = [f"site/{f}" for f in leaks(site, forbidden)] if site else []  # before any build
+    if bad:
+        raise SystemExit("class_bundle: the site would hand out answers; not written:\n  "
+                         + "\n  ".join(bad[:20]))
     with tempfile.TemporaryDirectory(prefix="minserve-bundle-") as tmp:
         stage = Path(tmp) / name
         wheel = build_wheel(stage / "wheels")
@@ -290,8 +326,10 @@ def build(out: Path = ROOT / "dist", make_zip: bool = True) -> Path:
         fill = {**p, "wheel": wheel.name, "version": version()}
         (stage / "install.sh").write_text(INSTALL_SH.format(**fill))
         (stage / "install.sh").chmod(0o755)
-        (stage / "README.md").write_text(README.format(**fill))
-        bad = leaks(stage, forbidden_strings(sources))
+        (stage / "README.md").write_text(README.format(**fill) + (SITE_README if site else ""))
+        if site:
+            shutil.copytree(site, stage / "site")
+        bad = leaks(stage, forbidden)
         if bad:
             raise SystemExit("class_bundle: the bundle would hand out answers; not written:\n  "
                              + "\n  ".join(bad[:20]))
@@ -312,9 +350,18 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "dist")
     ap.add_argument("--no-zip", action="store_true")
+    ap.add_argument("--with-site", action="store_true",
+                    help="build the course site (make site, into site/) and put it in the bundle")
     args = ap.parse_args(argv)
-    dest = build(args.out, make_zip=not args.no_zip)
-    print(f"{dest}: the class bundle (lessons, the labs' student versions, the wheel, install.sh)"
+    site = None
+    if args.with_site:
+        import course_site
+
+        course_site.build(course_site.DEFAULT_OUT)
+        site = course_site.DEFAULT_OUT
+    dest = build(args.out, make_zip=not args.no_zip, site=site)
+    print(f"{dest}: the class bundle (lessons, the labs' student versions, the wheel, install.sh"
+          + (", the course site" if site else "") + ")"
           + ("" if args.no_zip else f"; {dest}.zip to hand out"))
     return 0
 
