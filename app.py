@@ -367,7 +367,9 @@ def launch(demo: gr.Blocks, host: str = "127.0.0.1", port: int = 7860, **kw):
 
 
 # ------------------------------------------------------------------ command line
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The app's command line: its own flags, then every engine knob (each with its
+    default, in words where the app's differs by policy)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default=None,
@@ -377,7 +379,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_threads_argument(p)
     cap = f"{APP_DEFAULTS['max_rows_per_session']} under fair, none under fcfs"
     add_engine_arguments(p, {**APP_DEFAULTS, "max_rows_per_session": cap})
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def config_from_args(args: argparse.Namespace, env: dict | None = None) -> tuple[EngineConfig,
