@@ -84,7 +84,7 @@ def tick_profile(bench):
     fwd, head = clocks[0].spent, clocks[1].spent
     bench.publish(f"tick-profile-{a.backend}-{a.prefill_mode}", [
         f"## Where the time goes: `{a.prefill_mode}` on the {a.backend} backend", "",
-        f"`minserve bench tick-profile --backend {a.backend} --prefill-mode {a.prefill_mode}`: "
+        f"`.venv/bin/minserve bench tick-profile --backend {a.backend} --prefill-mode {a.prefill_mode}`: "
         f"the chat mix, {a.n} requests at t=0, batch 8, chunks of 256, EOS ignored; one plain "
         "run with forward hooks, one under `torch.profiler`.", "",
         *md_table(["where", "seconds", "share of the run"], [
@@ -177,7 +177,7 @@ def compact(bench):
     threads = f" --threads {a.threads}" if a.threads else ""
     bench.publish("compact-forward" + (f"-threads{a.threads}" if a.threads else ""), [
         "## Compact forward: decode tick, HF model vs `model_runner=\"compact\"`", "",
-        f"`minserve bench compact{threads}`: paged backend, SmolLM2-135M fp32, B rows of "
+        f"`.venv/bin/minserve bench compact{threads}`: paged backend, SmolLM2-135M fp32, B rows of "
         f"{a.prompt_len} tokens in the decode batch; one tick of each engine and the weight "
         f"matmuls alone, interleaved, medians of {a.ticks} rounds (in brackets: the ratio of the "
         "fastest, least disturbed ticks). The operator split is from `torch.profiler` over 4 "
@@ -227,7 +227,7 @@ def linear(bench):
         print(rows[-1], flush=True)
     bench.publish(f"linear-layers-threads{a.threads}", [
         "## Linear layers: `F.linear` vs prepacked oneDNN", "",
-        f"`minserve bench linear --threads {a.threads}`: every weight matmul of one SmolLM2-135M "
+        f"`.venv/bin/minserve bench linear --threads {a.threads}`: every weight matmul of one SmolLM2-135M "
         "decode forward at batch B (30 layers' fused qkv, o, gate_up, down, and the output "
         "head; fp32), done with PyTorch's `F.linear` and with the compact forward's `Linear` "
         f"(oneDNN, weight reordered once), interleaved, medians of {a.rounds} rounds. The "

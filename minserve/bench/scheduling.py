@@ -183,7 +183,7 @@ def long_prompt(bench):
     rows = [["monolithic" if r["chunk"] == 0 else f"mixed_batch (paged), {r['chunk']} tokens"
              if r["mixed"] else f"chunked, {r['chunk']} tokens", f"**{r['max_gap_s']:.2f} s**",
              f"{r['stream_s']:.1f} s", f"{r['long_ttft_s']:.1f} s"] for r in runs]
-    command = f"minserve bench long-prompt --prompt-tokens {a.prompt_tokens}"
+    command = f".venv/bin/minserve bench long-prompt --prompt-tokens {a.prompt_tokens}"
     bench.publish("long-prompt-stall", [
         "### One long prompt beside a streaming user", "",
         f"A chat streams 48 tokens; two tokens in, a {a.prompt_tokens:,}-token document arrives "
@@ -251,7 +251,7 @@ def disaggregated(bench):
             for name, r in runs.items()]
     c = runs["chunked, 256 tokens"]
     d = min((r for n, r in runs.items() if n.startswith("disagg")), key=lambda r: r["long_ttft_s"])
-    command = f"minserve bench disaggregated --prompt-tokens {a.prompt_tokens}"
+    command = f".venv/bin/minserve bench disaggregated --prompt-tokens {a.prompt_tokens}"
     bench.publish("disaggregated", [
         "## Disaggregated prefill", "",
         f"A chat streams {a.stream_tokens} tokens; two tokens in, a {a.prompt_tokens:,}-token "

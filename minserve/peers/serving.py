@@ -251,7 +251,7 @@ def docs_suite(bench) -> int:
     m2, ib = runs2[0].summary(), a.max_batch_size
     speed = ", ".join(f"**{c1[p]['speedup']:.2f}x** {p}" for p in c1 if p != "minserve"
                       and c1[p].get("speedup"))
-    cmd = "minserve bench --suite docs" + (f" -n {a.num_requests}" if a.num_requests != 40 else "")
+    cmd = ".venv/bin/minserve bench --suite docs" + (f" -n {a.num_requests}" if a.num_requests != 40 else "")
     bench.publish("serving-vs-peers", [f"""## minserve against its peers (`minserve bench`)
 
 Command: `{cmd}` (took {(time.perf_counter() - t_suite) / 60:.1f} min; JSON and plotly HTML
