@@ -108,7 +108,7 @@ def is_command(span: str) -> bool:
         return False
     prog = first[0]
     if prog.startswith(".venv/bin/") or prog == "make":
-        return len(first) > 1 or prog != "make"
+        return len(first) > 1  # `.venv/bin/minserve` alone names the program
     if prog not in ENV_PROGRAMS | SYSTEM_PROGRAMS | PACKAGE_MANAGER | set(EXTERNAL):
         return False
     rest = first[1:]

@@ -141,4 +141,7 @@ class Bench:
     def record(self, values: dict[str, float], command: str) -> None:
         """Figures other pages quote (docs/figures.json), unless --no-docs or --tiny."""
         if self.writes_docs:
-            figures.record(values, source=f"{command} ({self.conditions.line().strip('_')})")
+            c = self.conditions.as_dict()
+            figures.record(values, source=f"{command} ({self.conditions.line().strip('_')})",
+                           conditions=figures.conditions_of(c["load_start"], c["load_end"],
+                                                            c["cores"]))
