@@ -203,9 +203,10 @@ def build_wheel(out: Path) -> Path:
 
 # torch's download from each place, measured (`pip install --dry-run --report` against
 # PyPI alone, and the wheels' sizes): the bundle's README quotes them.
-PYPI_LINUX_TORCH_MB = 2741  # torch 527 MB + nvidia-*, cuda-*, triton 2,204 MB + the rest
+PYPI_LINUX_TORCH_MB = 2730  # torch 527 MB + nvidia-*, cuda-*, triton 2,203 MB (bundle.torch_download_mb)
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 CPU_TORCH_MB = 192  # torch-2.13.0+cpu, linux x86_64, cp311
+CPU_TORCH_VERSION = "2.13.0"
 
 INSTALL_SH = """\
 #!/bin/sh
@@ -299,24 +300,32 @@ grade").
 
 def sizes(torch_index: str) -> str:
     """The README's account of the download: what was measured on Linux (docs/figures.json,
-    `bundle.*`: the size of each part, the install's minutes and the machine's load), and
-    what was not tried."""
+    `bundle.*`: the download, torch's share of it, the environment on disk, the install's
+    minutes and the load it ran under), and what was not tried."""
     fig = json.loads((ROOT / "docs" / "figures.json").read_text())
 
     def value(name: str):
         return fig[name]["value"] if name in fig else None
 
-    total, minutes = value("bundle.pypi_download_mb"), value("bundle.install_minutes")
-    measured = (f"about {total:,.0f} MB downloaded (torch's share {PYPI_LINUX_TORCH_MB:,} MB), "
-                f"{minutes:.0f} minutes on a 2-core machine "
-                f"({fig['bundle.install_minutes'].get('source', '')})"
-                if total and minutes else "not measured yet")
+    total, torch_mb = value("bundle.pypi_download_mb"), value("bundle.torch_download_mb")
+    disk, minutes = value("bundle.venv_mb"), value("bundle.install_minutes")
+    if None in (total, torch_mb, disk, minutes):
+        measured = "not measured yet"
+    else:
+        c = fig["bundle.install_minutes"].get("conditions", {})
+        where = ("a quiet" if c.get("machine") == "quiet" else "a busy") + \
+            f" {c.get('cores', '?')}-core machine" + \
+            (f" (load average {c['load']})" if c.get("load") else "")
+        measured = (f"about {total:,.0f} MB downloaded, {torch_mb:,.0f} MB of it torch's CUDA "
+                    f"build and the nvidia-*, cuda-* and triton packages it needs even to "
+                    f"import on a CPU; {disk / 1000:.1f} GB on disk; the install took "
+                    f"{minutes:.0f} minutes on {where}")
     lines = [
-        f"* **Linux x86_64, from PyPI** (the default): PyPI's only torch for Linux x86_64 is "
-        f"its CUDA build, which needs its nvidia-* packages even to import on a CPU: "
-        f"{measured}; then about 3 GB more than the CPU build on disk. Tried here.",
+        "* **Linux x86_64, from PyPI** (the default; tried here): PyPI's only torch "
+        f"{CPU_TORCH_VERSION} for Linux x86_64 is its CUDA build: {measured}.",
         f"* **Linux, with `TORCH_INDEX_URL={CPU_INDEX} sh install.sh`**: torch's CPU build, "
-        f"about {CPU_TORCH_MB} MB instead of {PYPI_LINUX_TORCH_MB:,} MB, from PyTorch's own "
+        f"about {CPU_TORCH_MB} MB (the wheel) instead of {PYPI_LINUX_TORCH_MB:,} MB, from "
+        "PyTorch's own "
         "index (a second place your network must reach; the rest still from PyPI). Not tried "
         "here: this machine reaches PyPI only.",
         "* **macOS (Apple silicon) and Windows**: PyPI's torch is a CPU build there (macOS's "

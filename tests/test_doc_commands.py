@@ -177,6 +177,8 @@ def problem(page: str, cmd: str) -> str | None:
         return None
     for seg in segments(cmd):
         prog, args = seg[0], seg[1:]
+        if " ".join(seg) in ELSEWHERE:  # `TORCH_INDEX_URL=... sh install.sh` too
+            continue
         if prog == "make":
             targets = make_targets()
             named = [a for a in args if "=" not in a]
