@@ -67,8 +67,16 @@ notebooks-reset: setup  # a fresh copy of the lessons in work/ (the old one move
 test: setup browser
 	$(BIN)/python -m pytest -q --durations=25  # the slowest 25, so a slow test shows in CI's log
 
-test-fast: setup      # tiny models only: no real-model tests, no real-model notebook (its metadata says so)
-	$(BIN)/python -m pytest -q -m "not real_model"
+# The edit-test loop, 3 minutes at most on a quiet 2-core machine (README.md, "Tests"): the
+# engine's invariants and every backend on tiny models, the server, the bench, the docs'
+# checks. Not: the real model (its marker), the notebooks (only tests/ is collected), and
+# the files below: the labs and their corpus (otter), the class bundle (a venv and an
+# install), the browser (chromium), which `make test` runs.
+FAST_SKIP := test_labs test_teaching_commands test_student_copies test_class_bundle \
+             test_app_browser test_demo_steps_browser test_jupyterlab
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not real_model" tests $(FAST_SKIP:%=--ignore=tests/%.py) \
+		--durations=10
 
 screenshots: setup browser  # refresh docs/img: the chat demo's and the notebooks' figures
 	MINSERVE_SCREENSHOT_DIR=docs/img $(BIN)/python -m pytest -q tests/test_app_browser.py tests/test_jupyterlab.py
