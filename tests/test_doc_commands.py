@@ -291,8 +291,9 @@ def test_the_cheap_commands_run_as_printed_in_a_fresh_shell(tmp_path):
     """No activated environment, a bare PATH: what a new terminal gives."""
     runs = sorted({c for _, c in COMMANDS if cheap(c)})
     assert any("--help" in c for c in runs) and any("--list" in c for c in runs), runs
-    env = {"PATH": FRESH_PATH, "HOME": os.environ.get("HOME", str(tmp_path)), "LANG": "C.UTF-8",
-           "MINSERVE_CACHE_DIR": os.environ.get("MINSERVE_CACHE_DIR", "")}
+    env = {"PATH": FRESH_PATH, "HOME": os.environ.get("HOME", str(tmp_path)), "LANG": "C.UTF-8"}
+    if os.environ.get("MINSERVE_CACHE_DIR"):  # where this run keeps the converted model
+        env["MINSERVE_CACHE_DIR"] = os.environ["MINSERVE_CACHE_DIR"]
     procs = {c: subprocess.Popen(["bash", "-c", c], cwd=ROOT, env=env, text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for c in runs}
     for c, proc in procs.items():
