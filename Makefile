@@ -68,12 +68,17 @@ test: setup browser
 	$(BIN)/python -m pytest -q --durations=25  # the slowest 25, so a slow test shows in CI's log
 
 # The edit-test loop, 3 minutes at most on a quiet 2-core machine (README.md, "Tests"): the
-# engine's invariants and every backend on tiny models, the server, the bench, the docs'
-# checks. Not: the real model (its marker), the notebooks (only tests/ is collected), and
-# the files below: the labs and their corpus (otter), the class bundle (a venv and an
-# install), the browser (chromium), which `make test` runs.
+# engine's invariants and every backend, prefill mode and fast path on tiny models, the
+# server, the CLIs, the bench's parts, the docs' quick checks. Not: the real model (its
+# marker), the notebooks (only tests/ is collected), and the files below, which `make
+# test` runs: the labs and their corpus (otter), the class bundle (a venv and an install),
+# the browser (chromium); the model families beyond Llama (architectures), the servers in
+# subprocesses (side by side, the teacher's server, the API fuzzer, the GPU bench's), every
+# bench experiment run whole, and the docs' commands and counts run for real.
 FAST_SKIP := test_labs test_teaching_commands test_student_copies test_class_bundle \
-             test_app_browser test_demo_steps_browser test_jupyterlab
+             test_app_browser test_demo_steps_browser test_jupyterlab \
+             test_architectures test_side_by_side test_teacher_server test_server_fuzz \
+             test_gpu_bench test_bench_experiments test_doc_commands test_page_figures
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not real_model" tests $(FAST_SKIP:%=--ignore=tests/%.py) \
 		--durations=10
