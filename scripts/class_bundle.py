@@ -338,11 +338,21 @@ def sizes(torch_index: str) -> str:
     return "\n".join(lines)
 
 
+def installer(wheel: str, torch_index: str = "") -> tuple[str, str]:
+    """(install.sh, README.md) of a bundle whose wheel is `wheel`, taking torch from
+    `torch_index` by default ("": PyPI, like everything else)."""
+    p = pins()
+    fill = {**p, "wheel": wheel, "version": version(), "torch_index": torch_index,
+            "torch_version": p["torch"].split("==")[-1], "cpu_index": CPU_INDEX,
+            "pypi_mb": PYPI_LINUX_TORCH_MB, "cpu_mb": CPU_TORCH_MB, "sizes": sizes(torch_index)}
+    return INSTALL_SH.format(**fill), README.format(**fill)
+
+
 def build(out: Path = ROOT / "dist", make_zip: bool = True, torch_index: str = "") -> Path:
     """Build the bundle into out/class-<version>/ (replacing an older one) and, unless
     make_zip is False, zip it; refuse (SystemExit) if anything would leak. `torch_index`:
     the package index install.sh takes torch from by default ("": PyPI, like the rest)."""
-    p = pins()
+    pins()  # a missing pin fails before anything is built
     name = f"class-{version()}"
     sources = sorted((ROOT / "notebooks" / work_copy.LABS).glob("lab*.ipynb"))
     with tempfile.TemporaryDirectory(prefix="minserve-bundle-") as tmp:
@@ -351,13 +361,10 @@ def build(out: Path = ROOT / "dist", make_zip: bool = True, torch_index: str = "
         work_copy.copy_lessons(ROOT / "notebooks", stage / "lessons")
         shutil.copytree(ROOT / "docs", stage / "docs",
                         ignore=shutil.ignore_patterns("__pycache__", ".ipynb_checkpoints"))
-        fill = {**p, "wheel": wheel.name, "version": version(), "torch_index": torch_index,
-                "torch_version": p["torch"].split("==")[-1], "cpu_index": CPU_INDEX,
-                "pypi_mb": PYPI_LINUX_TORCH_MB, "cpu_mb": CPU_TORCH_MB,
-                "sizes": sizes(torch_index)}
-        (stage / "install.sh").write_text(INSTALL_SH.format(**fill))
+        install, readme = installer(wheel.name, torch_index)
+        (stage / "install.sh").write_text(install)
         (stage / "install.sh").chmod(0o755)
-        (stage / "README.md").write_text(README.format(**fill))
+        (stage / "README.md").write_text(readme)
         bad = leaks(stage, forbidden_strings(sources))
         if bad:
             raise SystemExit("class_bundle: the bundle would hand out answers; not written:\n  "
