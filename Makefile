@@ -84,7 +84,8 @@ test-fast: setup
 		--durations=10
 
 screenshots: setup browser  # refresh docs/img: the chat demo's and the notebooks' figures
-	MINSERVE_SCREENSHOT_DIR=docs/img $(BIN)/python -m pytest -q tests/test_app_browser.py tests/test_jupyterlab.py
+	MINSERVE_SCREENSHOT_DIR=docs/img $(BIN)/python -m pytest -q tests/test_app_browser.py tests/test_jupyterlab.py \
+		"tests/test_demo_steps_browser.py::test_queue_cards_at_1280x720_keep_their_text_inside_and_large"
 	$(BIN)/python scripts/screenshots.py
 
 labs: setup          # otter assign: student versions + autograders into build/labs (docs/teaching.md)

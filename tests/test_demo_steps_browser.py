@@ -494,9 +494,9 @@ def test_queue_cards_at_1280x720_keep_their_text_inside_and_large(apps, browser,
             px: parseFloat(getComputedStyle(t).fontSize)}));
         return {cards, texts};
     }""")
-    img = Path(os.environ.get("MINSERVE_SCREENSHOT_DIR") or tmp_path)
+    img = Path(os.environ.get("MINSERVE_SCREENSHOT_DIR") or tmp_path)  # make screenshots
     img.mkdir(parents=True, exist_ok=True)
-    page.locator(".tabs").first.screenshot(path=str(img / "app_queues_1280.png"))
+    page.locator(".tabs").first.screenshot(path=str(tmp_path / "app_queues_1280.png"))
     first = page.evaluate("""async () => {
         window.scrollTo(0, 0);
         await new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
@@ -521,7 +521,7 @@ def test_queue_cards_at_1280x720_keep_their_text_inside_and_large(apps, browser,
                     inside: b.left >= outer.left - 1 && b.right <= outer.right + 1};
         });
     }""")
-    page.locator(".tabs").first.screenshot(path=str(img / "app_fairness_1280.png"))
+    page.locator(".tabs").first.screenshot(path=str(tmp_path / "app_fairness_1280.png"))
     stop_flood(page, engine)
     page.close()
     # two cards of each queue the flood fills (pending, active) wholly on the first screen
