@@ -139,13 +139,17 @@ def test_every_figure_has_its_static_picture_linked_for_readers_outside_jupyter(
 
 def test_every_picture_in_docs_img_is_refreshed_by_make_screenshots():
     """No stale PNG: each one is a notebook figure (scripts/screenshots.py) or a browser
-    test's screenshot (tests/test_app_browser.py, tests/test_jupyterlab.py)."""
+    test's screenshot (tests/test_app_browser.py, tests/test_jupyterlab.py, the 1280x720
+    test of tests/test_demo_steps_browser.py), each of them run by `make screenshots`."""
     made = {cell.get("metadata", {}).get("minserve", {}).get("screenshot")
             for path in PATHS for cell in load(path)["cells"]} - {None}
-    browser = {"app", "app_kv", "app_fairness", "stepper"}
+    browser = {"app", "app_kv", "app_fairness", "stepper", "app_first_screen_1280"}
+    tests = ("test_app_browser.py", "test_jupyterlab.py", "test_demo_steps_browser.py")
+    recipe = re.search(r"^screenshots:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M)[1]
+    assert all(t in recipe for t in tests), recipe
     for name in browser:
-        assert re.search(rf"\b{name}\.png\b", (ROOT / "tests" / "test_app_browser.py").read_text()
-                         + (ROOT / "tests" / "test_jupyterlab.py").read_text()), name
+        assert re.search(rf"\b{name}\.png\b", "".join((ROOT / "tests" / t).read_text()
+                                                      for t in tests)), name
     pngs = {p.stem for p in (ROOT / "docs" / "img").glob("*.png")}
     assert pngs == made | browser, (sorted(pngs - made - browser), sorted(made | browser - pngs))
 
