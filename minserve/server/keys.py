@@ -161,11 +161,12 @@ def add_keys_arguments(p: argparse.ArgumentParser) -> None:
                      help="comma-separated tenant names (1-64 of letters, digits, '._-')")
     new.add_argument("--teacher", default=None,
                      help="one more tenant with every grant (priority, every tenant's stats, "
-                          "reloading keys)")
+                          "reloading keys) (default: none)")
     new.add_argument("--merge", default=None, metavar="FILE",
-                     help="start from this keys file (checked) and add the new tenants")
+                     help="start from this keys file (checked) and add the new tenants "
+                          "(default: a new file)")
     check = sub.add_parser("check", help="check a keys file as `serve` and a reload would")
-    check.add_argument("file")
+    check.add_argument("file", help="the keys file, as given to --api-keys-file")
 
 
 def keys_command(args: argparse.Namespace) -> int:
