@@ -78,7 +78,7 @@ test: setup browser
 FAST_SKIP := test_labs test_teaching_commands test_student_copies test_class_bundle \
              test_app_browser test_demo_steps_browser test_jupyterlab \
              test_architectures test_side_by_side test_teacher_server test_server_fuzz \
-             test_gpu_bench test_bench_experiments test_doc_commands test_page_figures
+             test_gpu_bench test_bench_experiments test_doc_commands test_page_figures test_site
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not real_model" tests $(FAST_SKIP:%=--ignore=tests/%.py) \
 		--durations=10
