@@ -14,6 +14,8 @@ Two modes, one contract (`EngineConfig.admission`, one object per engine):
       step adds to a row's R1
     make_room(s): start of T4    nothing: no row can run out     preempt the policy's victim
                                                                  until the step's tokens fit
+    reclaim(s, req): T1, shares  preempt borrowed rows (shares.py) so that a request whose
+      (H6), either mode          unit is owed a row fits: the same `preempt`, in both modes
 
 (*) so admitting a request never forces a preemption in the same tick.
 
@@ -31,7 +33,15 @@ counts blocks for what G2 counts, net of the blocks running rows will take
 
 T1 asks the mode whom to admit and what holds it (`choose`: the gates' `verdict` on the
 head, or on another session's request when the head's session or tenant holds its share,
-`share_hold`); explain.py asks the same two questions.
+`share_hold`); explain.py asks the same two questions. When a gate holds a request whose
+tenant (or session) is owed a row, T1 asks `reclaim` to take back what others borrowed.
+
+Taking back is preemption with recompute, in both modes, not swap: the row's KV is
+dropped and recomputed on re-admission (prompt + its tokens so far), because that needs
+no second memory tier and the stream already continues across it (`preempt`). Under
+reserve this is the one place a row is preempted: only a borrowed row (beyond its
+tenant's share, lent while nobody else wanted it) ever is; a row within its share keeps
+reserve's promise that it runs to the end.
 
 A mode holds no state: each method reads (and preempt changes) the scheduler `s` it is
 given, so a lab that swaps the scheduler's backend, block manager or gates changes what
@@ -154,6 +164,91 @@ class Admission(ABC):
         other = next((r for r in s.policy if self.share_hold(s, r, book) is None), None)
         return (head, held) if other is None else (other, self.verdict(s, other))
 
+    def kv_in_use(self, s, rows_less: int = 0, tokens_less: int = 0) -> int:
+        """The KV tokens G2 weighs a request's `need` against (`check_kv`), were `rows_less`
+        rows holding `tokens_less` tokens gone: what running rows reserved, plus (preempt)
+        the token each writes at the next decode."""
+        rows = len(s.prefilling) + len(s.active) - rows_less
+        return s.active_kv_reserved - tokens_less + self.per_decode * rows
+
+    def reclaim(self, s, req: Request, rejection: Rejection | None) -> list[dict[str, Any]]:
+        """T1, shares on (H6): `req` is the request T1 chose and a gate soft-holds it
+        (`rejection`: a full batch, G2 or G3). If its tenant (or its session inside the
+        tenant) is owed a row, take back rows others borrowed: `shares.to_take_back`,
+        newest first, each preempted (`preempt`: recompute), until `req` passes the gates.
+
+        Only when taking back all of them would make room for a batch row and for `req`'s
+        KV (G2); otherwise nothing is taken and `req` waits for rows to end, as before.
+        Returns the preemptions (the admit record's `reclaimed`).
+        After: R1 holds (`preempt` gives back through `s._release`); no row within its
+        unit's share was touched."""
+        if (rejection is None or rejection.hard or rejection.gate == "share"
+                or s.config.reclaim == "off"):
+            return []
+        book = self.book(s)
+        if book is None:
+            return []
+        victims = shares.to_take_back(book, req, self.need)
+        freed, fits = 0, False
+        for k, v in enumerate(victims, 1):  # the fewest, newest first, that make room
+            freed += v.reserved_tokens
+            rows_left = len(s.prefilling) + len(s.active) - k
+            if (rows_left < s.config.max_batch_size
+                    and self.kv_in_use(s, k, freed) + self.need(req) <= s.kv_budget_tokens):
+                victims, fits = victims[:k], True
+                break
+        if not fits:
+            return []
+        out = []
+        for v in victims:
+            who = shares.path(v)[0][0]
+            out.append({**self.preempt(s, v, f"taken back for {req.request_id}: {who!r} "
+                                             "held it beyond its share (H6)"),
+                        "for": req.request_id, "from_unit": who})
+            s.reclaimed_rows += 1
+            if self.verdict(s, req) is None:
+                break
+        return out
+
+    @staticmethod
+    def preempt(s, req: Request, why: str) -> dict[str, Any]:
+        """Send a running row back to `pending` (P6, and `reclaim` in either mode). Its
+        reservation and blocks go back through `s._release`, the same single subtractor as
+        eviction (R1); the policy re-queues it (`on_request_preempted`: FCFS by its old
+        key, the fair policy with its counter kept). On re-admission it prefills prompt +
+        the tokens it has produced so far (`prefill_token_ids`), then samples its next
+        token: the client's stream goes on. Returns what the decode record lists."""
+        queue = s.prefilling if any(r is req for r in s.prefilling) else s.active
+        held = (req.num_computed_prompt_tokens if queue is s.prefilling
+                else req.num_tokens - 1)  # KV it holds: all but the token not yet fed
+        bm = s.block_manager
+        blocks = len(bm.block_table(req.request_id)) if bm is not None else 0
+        if bm is not None and s.backend.kv_grows_in_pool and queue is s.active:
+            # its decoded tokens' full blocks become cache entries, so re-admission
+            # may find them instead of recomputing (the KV is in the pool)
+            bm.mark_computed(req.request_id, req.prompt_token_ids + req.output_token_ids, held)
+        released = s._release(req)
+        queue.remove(req)
+        req.kv_high_water = max(req.kv_high_water, held)
+        req.recompute_token_ids = list(req.output_token_ids)
+        req.num_computed_prompt_tokens = req.num_cached_tokens = 0
+        req.num_preemptions += 1
+        s.preemptions += 1
+        req.status = RequestStatus.PENDING
+        with s.queue_lock:
+            req.policy_running = False
+            try:
+                s.policy.on_request_preempted(req)
+            except Exception as e:  # it is in no queue now: end it rather than lose it
+                if any(r is req for r in s.policy):
+                    s.policy.remove(req)
+                failures.note_row_error(s, req, "on_request_preempted", e)
+                s._finish(req, FinishReason.ERROR, error=req.error)
+        return {"request_id": req.request_id, "from_queue": "prefilling" if queue is
+                s.prefilling else "active", "released_tokens": released,
+                "released_blocks": blocks, "tokens_so_far": len(req.output_token_ids),
+                "why": why}
+
     @abstractmethod
     def check_rows(self, s) -> None:
         """Assert each running row's reservation is what this mode says (R1 per row)."""
@@ -269,45 +364,6 @@ class PreemptAdmission(Admission):
             except Exception as e:
                 failures.note_hook_error(s, "choose_victim", e)
                 return max(running, key=lambda r: r.arrival_seq)
-
-    @staticmethod
-    def preempt(s, req: Request, why: str) -> dict[str, Any]:
-        """Send a running row back to `pending`. Its reservation and blocks go back
-        through `s._release`, the same single subtractor as eviction (R1); the policy
-        re-queues it (`on_request_preempted`: FCFS by its old key, the fair policy with
-        its counter kept). On re-admission it prefills prompt + the tokens it has produced
-        so far (`prefill_token_ids`), then samples its next token: the client's stream
-        goes on. Returns what the decode record lists."""
-        queue = s.prefilling if any(r is req for r in s.prefilling) else s.active
-        held = (req.num_computed_prompt_tokens if queue is s.prefilling
-                else req.num_tokens - 1)  # KV it holds: all but the token not yet fed
-        bm = s.block_manager
-        blocks = len(bm.block_table(req.request_id)) if bm is not None else 0
-        if bm is not None and s.backend.kv_grows_in_pool and queue is s.active:
-            # its decoded tokens' full blocks become cache entries, so re-admission
-            # may find them instead of recomputing (the KV is in the pool)
-            bm.mark_computed(req.request_id, req.prompt_token_ids + req.output_token_ids, held)
-        released = s._release(req)
-        queue.remove(req)
-        req.kv_high_water = max(req.kv_high_water, held)
-        req.recompute_token_ids = list(req.output_token_ids)
-        req.num_computed_prompt_tokens = req.num_cached_tokens = 0
-        req.num_preemptions += 1
-        s.preemptions += 1
-        req.status = RequestStatus.PENDING
-        with s.queue_lock:
-            req.policy_running = False
-            try:
-                s.policy.on_request_preempted(req)
-            except Exception as e:  # it is in no queue now: end it rather than lose it
-                if any(r is req for r in s.policy):
-                    s.policy.remove(req)
-                failures.note_row_error(s, req, "on_request_preempted", e)
-                s._finish(req, FinishReason.ERROR, error=req.error)
-        return {"request_id": req.request_id, "from_queue": "prefilling" if queue is
-                s.prefilling else "active", "released_tokens": released,
-                "released_blocks": blocks, "tokens_so_far": len(req.output_token_ids),
-                "why": why}
 
     def check_rows(self, s) -> None:
         """The KV each row holds after its last forward, within the budget."""

@@ -39,6 +39,7 @@ from ..config import (
     DTYPES,
     MODEL_RUNNERS,
     POLICIES,
+    RECLAIMS,
     SHARES,
     EngineConfig,
     PrefillMode,
@@ -70,7 +71,7 @@ SERVING_DEFAULTS: dict[str, Any] = {
     # a tick computes at most 2 chunks of prompt over all rows, split between tenants
     "max_prefill_tokens": 512}
 CHOICES = {"policy": POLICIES, "backend": BACKENDS, "dtype": DTYPES, "admission": ADMISSIONS,
-           "shares": SHARES,
+           "shares": SHARES, "reclaim": RECLAIMS,
            "model_runner": MODEL_RUNNERS, "decode_attention": DECODE_ATTENTIONS,
            "cuda_graphs": CUDA_GRAPHS,
            "prefill_mode": tuple(m.value for m in PrefillMode)}
