@@ -53,7 +53,13 @@ from .errors import (
     rejection_response,
 )
 from .guard import ClientGuard
-from .limits import SHUTTING_DOWN, RequestLimits, ServerLimits, shutting_down_error
+from .limits import (
+    SHUTTING_DOWN,
+    ConnectionShare,
+    RequestLimits,
+    ServerLimits,
+    shutting_down_error,
+)
 from .schemas import (
     OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
@@ -99,7 +105,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
                model_aliases: tuple[str, ...] = (), limits: ServerLimits | None = None,
                session_stats: bool = False, api_keys: dict[str, Any] | None = None,
                allow_priority: bool = False, keys_file: str | None = None,
-               trusted_proxies: str | None = None) -> FastAPI:
+               trusted_proxies: str | None = None, loopback_apart: bool = False) -> FastAPI:
     """The app. `manage_engine`: start the worker at startup and stop it at shutdown.
 
     `default_max_tokens` is used by chat requests that omit max_tokens
@@ -111,6 +117,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
     `keys_file`: where `api_keys` came from, read again on SIGHUP or POST /admin/reload-keys
     (keys.py). `trusted_proxies`: `--forwarded-allow-ips` (guard.py); the same value must
     reach uvicorn (`lifecycle.uvicorn_config` reads it from the app's state).
+    `loopback_apart`: count each loopback alias (127.0.0.2, ...) as its own address
+    (guard.py; by default all of loopback is one).
     """
     from .access import parse_api_keys
     from .keys import KeyRing
@@ -146,7 +154,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
         keys_file if tenants else None)
     app.state.ledger = ledger = UsageLedger()  # usage per tenant (usage.py, H7)
     app.state.trusted_proxies = trusted_proxies
-    app.state.guard = ClientGuard(limits, trusted_proxies, on_refused=ledger.refused_anonymous)
+    app.state.guard = ClientGuard(limits, trusted_proxies, on_refused=ledger.refused_anonymous,
+                                  loopback_apart=loopback_apart)
     app.state.tokenizer_budget = TokenizerBudget(limits.tokenizer_burst_s,
                                                  limits.tokenizer_s_per_s)
     app.state.prompt_bound = (PromptBound.for_tokenizer(engine.tokenizer)
@@ -158,6 +167,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
     app.add_middleware(RequestLimits, limits=limits, state=app.state,
                        post_paths=("/v1/completions", "/v1/chat/completions",
                                    "/scheduler/explain/"))
+    # a connection that passed the key check counts against its tenant, not its address
+    app.add_middleware(ConnectionShare, guard=app.state.guard, tenant_of=tenant_of)
     if app.state.keyring is not None:  # the check before anything but the access log
         app.add_middleware(BearerAuth, ring=app.state.keyring, guard=app.state.guard)
     # added last: the outermost, so it logs (and books) every answer, the 401s included

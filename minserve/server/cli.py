@@ -144,6 +144,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="the reverse proxies whose X-Forwarded-For names the client (comma-"
                           "separated addresses or networks, or *; uvicorn's flag). Default: "
                           "none, the socket's address is the client's (docs/security.md)")
+    srv.add_argument("--loopback-addresses-apart", action="store_true",
+                     help="count each loopback address (127.0.0.2, 127.0.0.3, ...) as a client "
+                          "address of its own for the per-address limits (default: all of "
+                          "127.0.0.0/8 and ::1 count as one address, the server's own machine)")
     srv.add_argument("--allow-priority", action="store_true",
                      help="without --api-keys-file: let any client set 'priority' (default: "
                           "priority is a grant of a key in --api-keys-file)")
@@ -312,7 +316,8 @@ def serve(args: argparse.Namespace) -> int:
                      model_aliases=tuple(args.model_alias), limits=limits,
                      session_stats=args.session_stats, api_keys=api_keys,
                      allow_priority=args.allow_priority, keys_file=settings["api_keys_file"],
-                     trusted_proxies=args.forwarded_allow_ips)
+                     trusted_proxies=args.forwarded_allow_ips,
+                     loopback_apart=args.loopback_addresses_apart)
     try:
         MinserveServer(uvicorn_config(app, settings["host"], settings["port"], limits,
                                       args.log_level)).run()
