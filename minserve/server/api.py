@@ -71,7 +71,7 @@ from .schemas import (
 from .shapes import SSE_DONE, ResponseShaper, sse
 from .teacher import install_teacher_routes, usage_view
 from .tokenizing import PromptBound, TokenizerBudget, retry_seconds
-from .usage import UsageLedger
+from .usage import CLIENT_GONE, Delivery, UsageLedger
 
 __all__ = ["create_app", "rejection_response", "served_model_names", "OpenAIError"]
 
@@ -322,7 +322,8 @@ async def _generate(engine: Engine, request: Request, body: GenerationRequest, i
     except ValueError as e:
         raise bad_request(str(e), "prompt") from None
     handle.wait_for_worker()  # if the worker dies now, the loop below says so (503)
-    _book_when_done(request.app, engine, handle, tenant)
+    delivery = Delivery(tokens=0)  # what reaches the client: the ledger bills only that
+    _book_when_done(request.app, engine, handle, tenant, delivery)
     if not client_id:
         request.app.state.owners.add(engine_id, (tenant.name, session))
     engine_id = client_id or engine_id  # what the client is told (x-request-id)
@@ -335,35 +336,43 @@ async def _generate(engine: Engine, request: Request, body: GenerationRequest, i
             raise _final_error(first, retry_after_s)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = _sse_stream(first, events, handle, shaper, include_usage)
+            stream = _sse_stream(first, events, handle, shaper, include_usage, delivery)
             handed_off = True
-            return CancelOnCloseStream(stream, handle, headers={"x-request-id": engine_id})
+            return CancelOnCloseStream(stream, handle, delivery,
+                                       headers={"x-request-id": engine_id})
         await _unless_disconnected(request, _drain(events))
         out = handle.output
         if out.finish_reason == "error":
             raise _engine_error(handle)
+        delivery.tokens = None  # all of them, in the body
         return JSONResponse(shaper.final_body(out), headers={"x-request-id": engine_id})
     except ClientGone:  # nobody is listening; 499 is nginx's "client closed request"
-        return Response(status_code=499)
+        return Response(status_code=CLIENT_GONE)
     finally:
         if not handed_off:
             handle.cancel()  # no-op when finished; else evicted next tick, all released (H3)
+            delivery.done.set()
             await events.aclose()
 
 
 async def _sse_stream(first: StreamEvent, events: AsyncIterator[StreamEvent],
                       handle: RequestHandle, shaper: ResponseShaper,
-                      include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body: a chunk per text delta, the finish chunk, usage if asked, [DONE]."""
+                      include_usage: bool, delivery: Delivery) -> AsyncIterator[str]:
+    """The SSE body: a chunk per text delta, the finish chunk, usage if asked, [DONE].
+    `delivery.tokens`: the tokens whose text has gone to the client (a `yield` returns
+    once Starlette has handed the chunk to the socket), all of them at the end."""
     try:
         if shaper.kind == "chat":
             yield sse(shaper.chunk(role=True))
         if first.text:
             yield sse(shaper.chunk(first.text))
+            delivery.tokens = first.index + 1
         try:
             async for ev in events:
                 if ev.text:
                     yield sse(shaper.chunk(ev.text))
+                    if ev.token_id is not None:
+                        delivery.tokens = ev.index + 1
                 if ev.finish_reason is None:
                     continue
                 out = handle.output
@@ -376,6 +385,7 @@ async def _sse_stream(first: StreamEvent, events: AsyncIterator[StreamEvent],
             yield sse(e.body())
             yield sse(shaper.chunk(finish_reason="error"))
         yield SSE_DONE
+        delivery.tokens = None  # the stream ended whole: every token's text went out
     finally:
         handle.cancel()  # the client left mid-stream (or we are shutting down): H3
         await events.aclose()
@@ -390,10 +400,11 @@ class CancelOnCloseStream(StreamingResponse):
     this wrapper makes the cancel happen right away, every time.
     """
 
-    def __init__(self, content: AsyncIterator[str], handle: RequestHandle, **kw) -> None:
+    def __init__(self, content: AsyncIterator[str], handle: RequestHandle,
+                 delivery: Delivery, **kw) -> None:
         super().__init__(content, media_type="text/event-stream", **kw)
         self.headers["cache-control"] = "no-cache"
-        self.handle = handle
+        self.handle, self.delivery = handle, delivery
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -401,6 +412,7 @@ class CancelOnCloseStream(StreamingResponse):
         finally:
             self.handle.cancel()
             await self.body_iterator.aclose()
+            self.delivery.done.set()  # what reached the client is known: book it
 
 
 # ==================================================================== helpers
@@ -551,18 +563,22 @@ def session_header(request: Request) -> str | None:
     return given[0].decode("ascii")
 
 
-def _book_when_done(app, engine: Engine, handle: RequestHandle, tenant: Tenant) -> None:
-    """When the request ends (however the client left), book what it was served in the
-    usage ledger; a gate's refusal is booked by the access log, from the 429."""
+def _book_when_done(app, engine: Engine, handle: RequestHandle, tenant: Tenant,
+                    delivery: Delivery) -> None:
+    """When the request ends (however the client left) and its response is over, book
+    what it was served in the usage ledger: its prompt if computed, the tokens that
+    reached the client (`delivery`), the rest apart; a gate's refusal is booked by the
+    access log, from the 429."""
     async def book() -> None:
         try:
             async for _ in _while_worker_lives(engine, handle.__aiter__()):
                 pass
         except OpenAIError:  # the worker died: nothing more will be served
             return
+        await delivery.done.wait()
         out = handle.output
         if out is not None and out.rejection is None:
-            app.state.ledger.served(tenant.name, out)
+            app.state.ledger.served(tenant.name, out, delivery.tokens)
 
     task = asyncio.ensure_future(book())
     app.state.settling.add(task)
