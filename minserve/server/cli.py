@@ -271,6 +271,9 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
 
 def serve(args: argparse.Namespace) -> int:
     """The `serve` subcommand: build the engine, then run uvicorn until Ctrl-C / SIGTERM."""
+    from .lifecycle import EarlyHangup
+
+    early_hangup = EarlyHangup().install()  # a SIGHUP while the model loads: deferred
     try:
         config = engine_config_from_args(args, defaults=SERVING_DEFAULTS)
         settings = server_settings(args)
@@ -320,7 +323,7 @@ def serve(args: argparse.Namespace) -> int:
                      loopback_apart=args.loopback_addresses_apart)
     try:
         MinserveServer(uvicorn_config(app, settings["host"], settings["port"], limits,
-                                      args.log_level)).run()
+                                      args.log_level), early_hangup).run()
     except KeyboardInterrupt:  # a second Ctrl-C during the drain: as uvicorn.run does
         pass
     return 0
