@@ -31,9 +31,9 @@ sessions walks past a per-session cap; a share depends on who is there now.
 What is borrowed. A unit's running rows in the order they were admitted: the first
 ones, while they fit its share of rows (at least one) and of KV, are its own; the rest
 are borrowed, and so is a row that alone reserves more KV than the share (a request
-beyond a tenant's share runs only on what is lent: item 2 of issue 45). Only borrowed
-rows are ever taken back, and only for a unit that is owed a row: what a borrower gives
-back is its own over-share, never a row within anyone's share.
+beyond a tenant's share runs only on what is lent, so legal requests lock nobody out).
+Only borrowed rows are ever taken back, and only for a unit that is owed a row: what a
+borrower gives back is its own over-share, never a row within anyone's share.
 
 The bound a waiting unit gets (docs/security.md, docs/gates.md). When its request is
 the one T1 chooses (the first, in the policy's order, that no share holds back) and a

@@ -233,7 +233,7 @@ def test_kv_shares_follow_how_many_tenants_want_them(tiny_model, reclaim):
 
 @pytest.mark.parametrize("admission", ["reserve", "preempt"])
 def test_maximal_legal_requests_lock_nobody_out_the_newest_is_taken_back(tiny_model, admission):
-    """Item 2 of issue 45: tenants each send one request as large as the server allows
+    """No lock-out by legal requests (H6): tenants each send one request as large as the server allows
     (max_request_kv_share: half the KV budget); two of them reserve it all. A short chat
     of a third tenant is admitted in the first tick after it arrives: a reservation
     beyond a tenant's share (a third now) is lent only as preemptible, so the newest
