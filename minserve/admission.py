@@ -52,6 +52,7 @@ subtractor of R1) and `_finish`, as eviction does.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from typing import Any
 
 from . import failures, shares
@@ -148,20 +149,30 @@ class Admission(ABC):
         rows = sum(r.session_id == req.session_id for r in running)
         return s.gates.session_cap_hold(req.session_id, rows, cap)
 
-    def choose(self, s, head: Request) -> tuple[Request, Rejection | None]:
+    def choose(self, s, head: Request, skip: Collection[str] = ()
+               ) -> tuple[Request, Rejection | None]:
         """Whom T1 admits next and the verdict on it: the policy's `head`, unless it could
         pass but its session or tenant holds its share (`share_hold`); then the first
         waiting request (in the policy's order) of one that does not, if any. Then the
         gates decide; a soft hold stops T1 there (G4), so nobody is admitted past it:
-        what bounds a waiting unit's wait (shares.py, "The bound")."""
-        rejection = self.verdict(s, head)
-        if rejection is not None and rejection.hard:
-            return head, rejection
-        book = self.book(s)
-        held = self.share_hold(s, head, book)
-        if held is None:
-            return head, rejection
-        other = next((r for r in s.policy if self.share_hold(s, r, book) is None), None)
+        what bounds a waiting unit's wait (shares.py, "The bound"). Requests in `skip`
+        (ids of rows taken back this tick, `reclaim`) are passed over, as if a share held
+        them: a row given back waits for the next tick."""
+        if head.request_id in skip:
+            book, held = self.book(s), Rejection(
+                gate="share", reason="taken_back", hard=False,
+                message="taken back this tick for a tenant under its share; it may be "
+                        "admitted again from the next tick")
+        else:
+            rejection = self.verdict(s, head)
+            if rejection is not None and rejection.hard:
+                return head, rejection
+            book = self.book(s)
+            held = self.share_hold(s, head, book)
+            if held is None:
+                return head, rejection
+        other = next((r for r in s.policy if r.request_id not in skip
+                      and self.share_hold(s, r, book) is None), None)
         return (head, held) if other is None else (other, self.verdict(s, other))
 
     def kv_in_use(self, s, rows_less: int = 0, tokens_less: int = 0) -> int:
@@ -171,36 +182,41 @@ class Admission(ABC):
         rows = len(s.prefilling) + len(s.active) - rows_less
         return s.active_kv_reserved - tokens_less + self.per_decode * rows
 
+    def room_without(self, s, req: Request, rows: list[Request]) -> bool:
+        """Were `rows` gone, `req` would find a batch row and its KV (G2)."""
+        freed = sum(r.reserved_tokens for r in rows)
+        return (len(s.prefilling) + len(s.active) - len(rows) < s.config.max_batch_size
+                and self.kv_in_use(s, len(rows), freed) + self.need(req) <= s.kv_budget_tokens)
+
     def reclaim(self, s, req: Request, rejection: Rejection | None) -> list[dict[str, Any]]:
         """T1, shares on (H6): `req` is the request T1 chose and a gate soft-holds it
         (`rejection`: a full batch, G2 or G3). If its tenant (or its session inside the
         tenant) is owed a row, take back rows others borrowed: `shares.to_take_back`,
         newest first, each preempted (`preempt`: recompute), until `req` passes the gates.
 
-        Only when taking back all of them would make room for a batch row and for `req`'s
-        KV (G2); otherwise nothing is taken and `req` waits for rows to end, as before.
-        Returns the preemptions (the admit record's `reclaimed`).
+        Only the fewest that make room for a batch row and for `req`'s KV (G2), and only if
+        some do; nothing when rows that have finished (evicted by this tick's T3, after
+        T1: T5) make that room already, so `req` is admitted at the next tick either way.
+        Otherwise nothing is taken and `req` waits for rows to end, as before. Returns the
+        preemptions (the admit record's `reclaimed`).
         After: R1 holds (`preempt` gives back through `s._release`); no row within its
-        unit's share was touched."""
+        unit's share was touched, nor a row that has finished."""
         if (rejection is None or rejection.hard or rejection.gate == "share"
                 or s.config.reclaim == "off"):
             return []
         book = self.book(s)
         if book is None:
             return []
-        victims = shares.to_take_back(book, req, self.need)
-        freed, fits = 0, False
-        for k, v in enumerate(victims, 1):  # the fewest, newest first, that make room
-            freed += v.reserved_tokens
-            rows_left = len(s.prefilling) + len(s.active) - k
-            if (rows_left < s.config.max_batch_size
-                    and self.kv_in_use(s, k, freed) + self.need(req) <= s.kv_budget_tokens):
-                victims, fits = victims[:k], True
-                break
-        if not fits:
-            return []
+        leaving = [r for r in s.prefilling + s.active
+                   if r.finish_reason is not None or r.cancel_requested]
+        if leaving and self.room_without(s, req, leaving):
+            return []  # T3 frees the room this tick: admitted at the next, nothing taken
+        victims = [v for v in shares.to_take_back(book, req, self.need)
+                   if not any(v is r for r in leaving)]
+        k = next((k for k in range(1, len(victims) + 1)  # the fewest, newest first
+                  if self.room_without(s, req, leaving + victims[:k])), None)
         out = []
-        for v in victims:
+        for v in victims[:k or 0]:
             who = shares.path(v)[0][0]
             out.append({**self.preempt(s, v, f"taken back for {req.request_id}: {who!r} "
                                              "held it beyond its share (H6)"),

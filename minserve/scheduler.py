@@ -198,11 +198,10 @@ class Scheduler:
         taken_back: set[str] = set()  # rows reclaimed this tick: they wait for the next
         with self.lock, self.queue_lock:
             while (head := failures.policy_call(self, "peek_next")) is not None:
-                req, rejection = self.admission.choose(self, head)  # head, or another's
+                # head, or another's; never a row taken back this tick
+                req, rejection = self.admission.choose(self, head, skip=taken_back)
                 if req is not head and "share" in self.kv_admit_blocked:
                     self.kv_admit_blocked["share"] += 1  # a share held the head back (H6)
-                if req.request_id in taken_back and (rejection is None or not rejection.hard):
-                    break  # given back this tick: next tick it may borrow again
                 if rejection is not None and not rejection.hard:
                     reclaimed = self.admission.reclaim(self, req, rejection)  # H6
                     if reclaimed:

@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
 from minserve import Engine, SamplingParams
@@ -318,24 +318,30 @@ def test_split_is_max_min_fair_and_work_conserving():
 PHASES = ("admit_pending", "advance_prefill_chunk", "evict_finished", "decode_step")
 
 
-def _owed_rows_left_behind(s) -> bool:
-    """After T1: the request T1 would choose next is held by a gate, its tenant (session)
-    is owed a row, and the rows others borrowed would make room for it (a batch row and
-    its KV, counted here): taking back was left undone."""
+def _owed_rows_left_behind(s, taken_back: set[str]) -> bool:
+    """After T1: the request T1 would choose next (a row taken back in that tick waits for
+    the next) is held by a gate, its tenant (session) is owed a row, the rows that have
+    finished do not make its room at T3, and the rows others borrowed would (a batch row
+    and its KV, counted here): taking back was left undone."""
     from minserve import shares as sh
 
     head = next(iter(s.policy), None)
     if head is None:
         return False
-    req, rej = s.admission.choose(s, head)
+    req, rej = s.admission.choose(s, head, skip=taken_back)
     if rej is None or rej.hard or rej.gate == "share":
         return False
-    back = sh.to_take_back(s.admission.book(s), req, s.admission.need)
-    rows = len(s.prefilling) + len(s.active) - len(back)
-    kv = (s.active_kv_reserved - sum(r.reserved_tokens for r in back)
-          + s.admission.per_decode * rows)
-    return bool(back) and rows < s.config.max_batch_size and \
-        kv + s.admission.need(req) <= s.kv_budget_tokens
+
+    def room_without(rows) -> bool:
+        left = len(s.prefilling) + len(s.active) - len(rows)
+        kv = (s.active_kv_reserved - sum(r.reserved_tokens for r in rows)
+              + s.admission.per_decode * left)
+        return left < s.config.max_batch_size and kv + s.admission.need(req) <= s.kv_budget_tokens
+
+    leaving = [r for r in s.prefilling + s.active if r.finish_reason or r.cancel_requested]
+    back = [r for r in sh.to_take_back(s.admission.book(s), req, s.admission.need)
+            if r not in leaving]
+    return bool(back) and not room_without(leaving) and room_without(leaving + back)
 
 
 def _innocent(s, victim, waiter) -> str | None:
@@ -351,7 +357,8 @@ def _innocent(s, victim, waiter) -> str | None:
     else:
         units = {r.session_id for r in running + waiting if r.tenant == victim.tenant}
         tenants = {r.tenant for r in running + waiting}
-        mine = [r for r in running if r.session_id == victim.session_id]
+        mine = [r for r in running if (r.tenant, r.session_id) == (victim.tenant,
+                                                                   victim.session_id)]
         part = 1 / len(tenants) / len(units)
     share_rows, share_kv = part * s.config.max_batch_size, part * s.kv_budget_tokens
     if len(mine) <= max(1, share_rows) and sum(r.reserved_tokens for r in mine) <= share_kv:
@@ -378,10 +385,14 @@ def test_taking_back_is_prompt_touches_no_innocent_row_and_keeps_r1_r2_and_hf_to
     """Random arrival traces, several tenants, mixed lengths, both admission modes: tenant
     a (in two sessions) borrows the batch; b, c, d arrive later. After every phase R1 and
     the queues hold; after every T1 no request owed a row is left waiting while borrowed
-    rows could make room for it (the bound: taken back in that tick); every row taken back
-    was beyond its unit's share, its newest; after the drain R2 holds and every request's
+    rows could make room for it and finished ones do not (the bound: taken back in that
+    tick); no row taken back is admitted again in that tick; every row taken back was
+    beyond its unit's share, its newest, and had not finished; after the drain R2 holds
+    and every request's
     greedy tokens are Hugging Face's alone, those taken back and recomputed included."""
     from minserve.admission import Admission
+
+    note(f"case: {(admission, policy, borrower, others, seed)!r}")
 
     engine = served(tiny_model, admission=admission, policy=policy, max_batch_size=4,
                     block_size=4, num_blocks=40, prefill_chunk_size=8, max_prefill_tokens=16)
@@ -392,6 +403,8 @@ def test_taking_back_is_prompt_touches_no_innocent_row_and_keeps_r1_r2_and_hf_to
         waiter = s_.requests.get(why.split()[3].rstrip(":")) if why.startswith("taken") else None
         if waiter is not None:
             innocents.extend(filter(None, [_innocent(s_, victim, waiter)]))
+            if victim.finish_reason is not None:
+                innocents.append(f"{victim.request_id}: finished, leaving at T3")
         return Admission.preempt(s_, victim, why)
 
     s.admission.preempt = watched_preempt
@@ -410,7 +423,9 @@ def test_taking_back_is_prompt_touches_no_innocent_row_and_keeps_r1_r2_and_hf_to
                                                       tenant=tenant, session_id=session)))
         phases = [getattr(s, name)() for name in PHASES[:1]]
         s.check_invariants()
-        assert not _owed_rows_left_behind(s), f"tick {tick}: taking back left undone"
+        taken = {p["request_id"] for p in phases[0].reclaimed}
+        assert not _owed_rows_left_behind(s, taken), f"tick {tick}: taking back left undone"
+        assert not any(a["request_id"] in taken for a in phases[0].admitted)
         phases += [getattr(s, name)() for name in PHASES[1:2]]
         s.check_invariants()
         phases += [getattr(s, name)() for name in PHASES[2:3]]
