@@ -37,8 +37,10 @@ borrower gives back is its own over-share, never a row within anyone's share.
 
 The bound a waiting unit gets (docs/security.md, docs/gates.md). When its request is
 the one T1 chooses (the first, in the policy's order, that no share holds back) and a
-gate holds it, T1 takes back borrowed rows at once, in that tick, if that makes it fit:
-it is admitted in the first tick after it arrived, and streams its first token when
+gate holds it, T1 takes back borrowed rows at once, in that tick, if that makes it fit
+(never a row that has finished: T3 evicts those after T1, and when they make the room it
+waits that one tick): it is admitted in the first tick after it arrived (the second at
+most), and streams its first token when
 its prefill is done (a short prompt: in that tick; in all, ceil(P / c) ticks, c its
 part of the tick's prompt tokens). If nothing is borrowed (every unit holds at most its
 share; e.g. more tenants than rows), it waits for a row to end, as before: at most one

@@ -486,7 +486,7 @@ def shares(bench):
         finally:
             for srv in servers.values():
                 srv.stop()
-    before = (f"the code in `--before-source {a.before_source}`" if a.before_source
+    before = ("another checkout's code (`--before-source`)" if a.before_source
               else "`--reclaim off`")
     command = ("minserve bench shares" + ("" if a.rows == 64 else f" --rows {a.rows}")
                + ("" if a.tokens == 500 else f" --tokens {a.tokens}"))
