@@ -489,7 +489,8 @@ def shares(bench):
     before = ("another checkout's code (`--before-source`)" if a.before_source
               else "`--reclaim off`")
     command = ("minserve bench shares" + ("" if a.rows == 64 else f" --rows {a.rows}")
-               + ("" if a.tokens == 500 else f" --tokens {a.tokens}"))
+               + ("" if a.tokens == 500 else f" --tokens {a.tokens}")
+               + (" --before-source DIR" if a.before_source else ""))
     bench.publish("shares", [
         "## Shares taken back: a newcomer to a lent machine", "",
         "A class's findings over the real CLI (docs/security.md): `python -m minserve serve` with a keys file "
