@@ -116,13 +116,16 @@ class Server:
             time.sleep(0.2)
 
     def stop(self) -> None:
+        """Ask it to stop (SIGINT: it drains, then exits); `wait` for it after."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+
+    def wait(self) -> None:
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self.log.close()
 
 
@@ -486,6 +489,8 @@ def shares(bench):
         finally:
             for srv in servers.values():
                 srv.stop()
+            for srv in servers.values():  # both at once: their shutdowns overlap
+                srv.wait()
     before = ("another checkout's code (`--before-source`)" if a.before_source
               else "`--reclaim off`")
     command = ("minserve bench shares" + ("" if a.rows == 64 else f" --rows {a.rows}")
