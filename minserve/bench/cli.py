@@ -21,14 +21,15 @@ import sys
 # declared with them in peers/; this command, which lists every experiment, is the one
 # module of bench/ that imports peers/ (tests/test_layout.py allows it nothing else there).
 from ..peers import serving
-from . import admission, attention, forward, gpu, kv, scheduling, throughput
+from . import admission, attention, forward, gpu, kv, scheduling, shares, throughput
 from .registry import Bench, Experiment, at_least
 
 DEFAULT = "serving"
 # in the order of docs/benchmarks.md
 EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
     serving.serving, throughput.decode_throughput, kv.kv_cache, scheduling.scheduling,
-    scheduling.long_prompt, scheduling.disaggregated, throughput.busy, admission.admission, forward.tick_profile,
+    scheduling.long_prompt, scheduling.disaggregated, throughput.busy, admission.admission,
+    shares.shares, forward.tick_profile,
     forward.compact, forward.linear, attention.attention, scheduling.demo_wait, gpu.gpu)}
 
 

@@ -39,6 +39,7 @@ from ..config import (
     DTYPES,
     MODEL_RUNNERS,
     POLICIES,
+    RECLAIMS,
     SHARES,
     EngineConfig,
     PrefillMode,
@@ -70,7 +71,7 @@ SERVING_DEFAULTS: dict[str, Any] = {
     # a tick computes at most 2 chunks of prompt over all rows, split between tenants
     "max_prefill_tokens": 512}
 CHOICES = {"policy": POLICIES, "backend": BACKENDS, "dtype": DTYPES, "admission": ADMISSIONS,
-           "shares": SHARES,
+           "shares": SHARES, "reclaim": RECLAIMS,
            "model_runner": MODEL_RUNNERS, "decode_attention": DECODE_ATTENTIONS,
            "cuda_graphs": CUDA_GRAPHS,
            "prefill_mode": tuple(m.value for m in PrefillMode)}
@@ -143,6 +144,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="the reverse proxies whose X-Forwarded-For names the client (comma-"
                           "separated addresses or networks, or *; uvicorn's flag). Default: "
                           "none, the socket's address is the client's (docs/security.md)")
+    srv.add_argument("--loopback-addresses-apart", action="store_true",
+                     help="count each loopback address (127.0.0.2, 127.0.0.3, ...) as a client "
+                          "address of its own for the per-address limits (default: all of "
+                          "127.0.0.0/8 and ::1 count as one address, the server's own machine)")
     srv.add_argument("--allow-priority", action="store_true",
                      help="without --api-keys-file: let any client set 'priority' (default: "
                           "priority is a grant of a key in --api-keys-file)")
@@ -290,6 +295,9 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
 
 def serve(args: argparse.Namespace) -> int:
     """The `serve` subcommand: build the engine, then run uvicorn until Ctrl-C / SIGTERM."""
+    from .lifecycle import EarlyHangup
+
+    early_hangup = EarlyHangup().install()  # a SIGHUP while the model loads: deferred
     try:
         config = engine_config_from_args(args, defaults=SERVING_DEFAULTS)
         settings = server_settings(args)
@@ -335,10 +343,11 @@ def serve(args: argparse.Namespace) -> int:
                      model_aliases=tuple(args.model_alias), limits=limits,
                      session_stats=args.session_stats, api_keys=api_keys,
                      allow_priority=args.allow_priority, keys_file=settings["api_keys_file"],
-                     trusted_proxies=args.forwarded_allow_ips)
+                     trusted_proxies=args.forwarded_allow_ips,
+                     loopback_apart=args.loopback_addresses_apart)
     try:
         MinserveServer(uvicorn_config(app, settings["host"], settings["port"], limits,
-                                      args.log_level)).run()
+                                      args.log_level), early_hangup).run()
     except KeyboardInterrupt:  # a second Ctrl-C during the drain: as uvicorn.run does
         pass
     return 0
