@@ -431,21 +431,3 @@ def test_a_decode_race_times_pure_decode_ticks_only_and_drain_empties_the_engine
     for e in engines.values():
         drain(e, handles, close=True)
         assert e.scheduler.is_drained()
-
-
-def test_the_shares_bench_runs_its_smallest_scenarios_over_the_real_cli(capsys):
-    """`minserve bench shares` at its quickest (SMALLEST): two `minserve serve` processes,
-    before (--reclaim off) and after; the KV lent to one tenant is taken back for the
-    newcomer (served, and no slower than before), and the keyed streams from one address
-    are all served."""
-    from minserve.__main__ import main
-    from minserve.bench.shares import SMALLEST
-
-    assert main(["bench", "shares", *SMALLEST, "--no-docs"]) == 0
-    out = capsys.readouterr().out
-    table = {row.split(" | ")[0].lstrip("| "): row.split(" | ")[2:4]
-             for row in out.splitlines() if row.startswith("| ")}
-    lent = next(v for k, v in table.items() if k.startswith("the whole KV budget"))
-    assert all("s (" in side for side in lent), lent  # both served, with their ticks
-    assert table["4 keyed streams from one address"] == ["4 of 4", "4 of 4"]
-    assert "load average (1 min)" in out

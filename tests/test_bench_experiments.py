@@ -24,6 +24,22 @@ from minserve.bench.cli import EXPERIMENTS
 SEED_LIKE = {"--seed"}  # any int is a seed
 
 
+def shares_did_its_work(out: str) -> None:
+    """`minserve bench shares` at its quickest: two `minserve serve` processes, before
+    (--reclaim off) and after; the KV lent to one tenant is taken back for the newcomer
+    (served on both, with its ticks), and the keyed streams from one address are all
+    served."""
+    table = {row.split(" | ")[0].lstrip("| "): row.split(" | ")[2:4]
+             for row in out.splitlines() if row.startswith("| ")}
+    lent = next(v for k, v in table.items() if k.startswith("the whole KV budget"))
+    assert all("s (" in side for side in lent), lent
+    assert table["4 keyed streams from one address"] == ["4 of 4", "4 of 4"]
+
+
+# What an experiment's smallest run must show beyond ending (its own smoke test, run once)
+DID_ITS_WORK = {"shares": shares_did_its_work}
+
+
 def counts(name: str) -> list[argparse.Action]:
     """The experiment's options that take an integer count."""
     from minserve.__main__ import build_parser
@@ -44,6 +60,7 @@ def test_every_experiment_runs_to_its_end_at_its_smallest_options(name, tmp_path
     assert main(["bench", name, *e.smallest, "--tiny", "--no-docs", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "load average (1 min)" in out  # its section, to the conditions line at the end
+    DID_ITS_WORK.get(name, lambda out: None)(out)
 
 
 @pytest.mark.parametrize("name", list(EXPERIMENTS))
