@@ -80,8 +80,11 @@ def problems(parser: argparse.ArgumentParser, prog: str) -> list[str]:
 
 
 def commands() -> list[tuple[str, argparse.ArgumentParser]]:
+    from minserve.peers.side_by_side import parser as side_by_side_parser
+
     found = list(walk(minserve_parsers()["minserve"], "minserve"))
     found += list(walk(app_parser(), "app.py"))
+    found.append(("make peers-bench", side_by_side_parser()))  # its ARGS are these options
     return found
 
 
@@ -90,7 +93,8 @@ def test_every_command_is_covered_serve_app_keys_and_every_experiment():
 
     names = {prog for prog, _ in commands()}
     wanted = {"minserve serve", "app.py", "minserve keys new", "minserve keys check",
-              "minserve demo", "minserve bench", *(f"minserve bench {e}" for e in EXPERIMENTS)}
+              "minserve demo", "minserve bench", "make peers-bench",
+              *(f"minserve bench {e}" for e in EXPERIMENTS)}
     assert wanted <= names, wanted - names
 
 

@@ -237,8 +237,9 @@ def commands(args, model_dir: str) -> list[ServerCommand]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from ..bench.cli import DefaultsHelp  # the defaults said as every minserve command says them
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelp)
     p.add_argument("--peers", default="minserve,vllm,hf",
                    type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
                    help=f"comma list of {', '.join(PEERS)}")
@@ -250,15 +251,18 @@ def parser() -> argparse.ArgumentParser:
                         "(OpenAI `user`), or none (no `user`, as most clients send)")
     p.add_argument("-d", "--duration-s", type=float, default=60.0,
                    help="seconds of arrivals per run (requests = rate x this, at least 12)")
-    p.add_argument("--min-requests", type=int, default=12)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-requests", type=int, default=12,
+                   help="the fewest requests a run sends, however short its arrivals")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the workload's seed (the same requests at every rate and server)")
     p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2's)")
     p.add_argument("--vllm-venv", default=".peers/vllm", help="made by scripts/peers_setup.sh")
-    p.add_argument("--minserve-args", default="", help="extra `minserve serve` flags")
+    p.add_argument("--minserve-args", default="", help="extra `minserve serve` flags (default: none, its own defaults)")
     p.add_argument("--out-dir", default="bench-results/side-by-side", help="server logs")
-    p.add_argument("--no-phenomena", dest="phenomena", action="store_false",
-                   help="skip lessons 03 and 06's phenomena on minserve and vLLM (phenomena.py)")
-    p.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    p.add_argument("--phenomena", action=argparse.BooleanOptionalAction, default=True,
+                   help="run lessons 03 and 06's phenomena on minserve and vLLM (phenomena.py)")
+    p.add_argument("--write", action="store_true",
+                   help="update docs/benchmarks.md (default: print the tables only)")
     return p
 
 
