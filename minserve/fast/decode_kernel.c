@@ -1,6 +1,9 @@
-/* The decode step's attention over block tables, read in place: minserve's one C file.
+/* A decode step's two costly parts in C: minserve's one C file.
 
-   What it computes is `paged._attend` for T = 1 (one new token per row), the readable
+   1. Attention over block tables, read in place (`decode_scores`, `decode_values`).
+   2. The weight matmuls of a step of a few rows (`rows_linear`).
+
+   1. What it computes is `paged._attend` for T = 1 (one new token per row), the readable
    PyTorch version and the reference this kernel is tested against
    (tests/test_decode_kernel.py). Why it exists: on a CPU that version spends most of
    its time in copies and in call overhead, not in arithmetic. It gathers every row's
@@ -24,9 +27,16 @@
        out       (B, H, D)
 
    D must be a multiple of 8: the inner loops work on 8 floats at a time (`v8`, one AVX
-   register; GCC and Clang map the vector type onto whatever the CPU has). Built once on
-   first use with the machine's C compiler (decode_kernel.py); nothing here is
-   CUDA-only, and without a compiler the engine runs the PyTorch version. */
+   register; GCC and Clang map the vector type onto whatever the CPU has).
+
+   2. See `rows_linear` below: at one to four rows a matmul's speed is the memory's.
+
+   Threads: each function takes a thread count (torch's, passed by decode_kernel.py) and
+   splits its independent work over that many OpenMP threads when built with -fopenmp
+   (torch's own OpenMP runtime, already loaded, runs them). At 1 thread, or built
+   without OpenMP, the loops run as written. Built once on first use with the machine's
+   C compiler (decode_kernel.py); nothing here is CUDA-only, and without a compiler the
+   engine runs the PyTorch versions. */
 
 #include <math.h>
 #include <stdint.h>
@@ -51,41 +61,42 @@ static inline float dot(const float *a, const float *b, int D) {
 /* scores[b, h, t] = scale * q[b, h] . K[h / G][slot of token t of row b], t < lens[b] */
 void decode_scores(const float *q, const float *k_pool, const int64_t *tables,
                    const int64_t *lens, int B, int H, int H_kv, int D, int64_t num_slots,
-                   int S, int M, float scale, float *scores) {
+                   int S, int M, float scale, float *scores, int threads) {
     const int G = H / H_kv;
     const int64_t L = (int64_t)M * S;
-    for (int b = 0; b < B; b++) {
+    /* every (row, KV head) pair writes its own G rows of scores: split them over threads */
+    #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(dynamic)
+    for (int bh = 0; bh < B * H_kv; bh++) {
+        const int b = bh / H_kv, hk = bh % H_kv;
         const int64_t len = lens[b];
-        for (int hk = 0; hk < H_kv; hk++) {
-            const float *kh = k_pool + (int64_t)hk * num_slots * D;  /* this head's slots */
-            const float *qh = q + ((int64_t)b * H + hk * G) * D;      /* (G, D) */
-            float *out = scores + ((int64_t)b * H + hk * G) * L;      /* (G, L) */
-            for (int g = 0; g < G; g++)
-                for (int64_t t = len; t < L; t++) out[g * L + t] = -INFINITY;
-            for (int j = 0; (int64_t)j * S < len; j++) {   /* block j of the row's table */
-                const float *kb = kh + tables[(int64_t)b * M + j] * S * D;  /* (S, D) */
-                const int n = len - (int64_t)j * S < S ? (int)(len - (int64_t)j * S) : S;
-                for (int g = 0; g < G; g++) {
-                    const float *qv = qh + g * D;
-                    float *o = out + g * L + (int64_t)j * S;
-                    int s = 0;
-                    for (; s + 4 <= n; s += 4) {  /* 4 keys at a time: 4 independent sums */
-                        const float *k0 = kb + s * D;
-                        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-                        for (int d = 0; d < D; d += 8) {
-                            const v8 qd = load8(qv + d);
-                            a0 += qd * load8(k0 + d);
-                            a1 += qd * load8(k0 + D + d);
-                            a2 += qd * load8(k0 + 2 * D + d);
-                            a3 += qd * load8(k0 + 3 * D + d);
-                        }
-                        o[s] = hsum8(a0) * scale;
-                        o[s + 1] = hsum8(a1) * scale;
-                        o[s + 2] = hsum8(a2) * scale;
-                        o[s + 3] = hsum8(a3) * scale;
+        const float *kh = k_pool + (int64_t)hk * num_slots * D;  /* this head's slots */
+        const float *qh = q + ((int64_t)b * H + hk * G) * D;      /* (G, D) */
+        float *out = scores + ((int64_t)b * H + hk * G) * L;      /* (G, L) */
+        for (int g = 0; g < G; g++)
+            for (int64_t t = len; t < L; t++) out[g * L + t] = -INFINITY;
+        for (int j = 0; (int64_t)j * S < len; j++) {   /* block j of the row's table */
+            const float *kb = kh + tables[(int64_t)b * M + j] * S * D;  /* (S, D) */
+            const int n = len - (int64_t)j * S < S ? (int)(len - (int64_t)j * S) : S;
+            for (int g = 0; g < G; g++) {
+                const float *qv = qh + g * D;
+                float *o = out + g * L + (int64_t)j * S;
+                int s = 0;
+                for (; s + 4 <= n; s += 4) {  /* 4 keys at a time: 4 independent sums */
+                    const float *k0 = kb + s * D;
+                    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                    for (int d = 0; d < D; d += 8) {
+                        const v8 qd = load8(qv + d);
+                        a0 += qd * load8(k0 + d);
+                        a1 += qd * load8(k0 + D + d);
+                        a2 += qd * load8(k0 + 2 * D + d);
+                        a3 += qd * load8(k0 + 3 * D + d);
                     }
-                    for (; s < n; s++) o[s] = dot(qv, kb + s * D, D) * scale;
+                    o[s] = hsum8(a0) * scale;
+                    o[s + 1] = hsum8(a1) * scale;
+                    o[s + 2] = hsum8(a2) * scale;
+                    o[s + 3] = hsum8(a3) * scale;
                 }
+                for (; s < n; s++) o[s] = dot(qv, kb + s * D, D) * scale;
             }
         }
     }
@@ -94,28 +105,92 @@ void decode_scores(const float *q, const float *k_pool, const int64_t *tables,
 /* out[b, h] = sum over t < lens[b] of probs[b, h, t] * V[h / G][slot of token t of row b] */
 void decode_values(const float *probs, const float *v_pool, const int64_t *tables,
                    const int64_t *lens, int B, int H, int H_kv, int D, int64_t num_slots,
-                   int S, int M, float *out) {
+                   int S, int M, float *out, int threads) {
     const int G = H / H_kv;
     const int64_t L = (int64_t)M * S;
-    for (int b = 0; b < B; b++) {
+    #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(dynamic)
+    for (int bh = 0; bh < B * H; bh++) {  /* every (row, query head) writes its own D floats */
+        const int b = bh / H, h = bh % H;
         const int64_t len = lens[b];
-        for (int h = 0; h < H; h++) {
-            const float *vh = v_pool + (int64_t)(h / G) * num_slots * D;
-            const float *p = probs + ((int64_t)b * H + h) * L;  /* (L,) */
-            float *o = out + ((int64_t)b * H + h) * D;          /* (D,) */
-            for (int d0 = 0; d0 < D; d0 += 64) {  /* 64 floats of the output, in registers */
-                const int w = D - d0 < 64 ? D - d0 : 64;
-                v8 acc[8] = {{0}};
-                for (int j = 0; (int64_t)j * S < len; j++) {
-                    const float *vb = vh + tables[(int64_t)b * M + j] * S * D + d0;
-                    const int n = len - (int64_t)j * S < S ? (int)(len - (int64_t)j * S) : S;
-                    for (int s = 0; s < n; s++) {
-                        const float pw = p[(int64_t)j * S + s];
-                        for (int i = 0; i < w / 8; i++) acc[i] += pw * load8(vb + s * D + 8 * i);
-                    }
+        const float *vh = v_pool + (int64_t)(h / G) * num_slots * D;
+        const float *p = probs + ((int64_t)b * H + h) * L;  /* (L,) */
+        float *o = out + ((int64_t)b * H + h) * D;          /* (D,) */
+        for (int d0 = 0; d0 < D; d0 += 64) {  /* 64 floats of the output, in registers */
+            const int w = D - d0 < 64 ? D - d0 : 64;
+            v8 acc[8] = {{0}};
+            for (int j = 0; (int64_t)j * S < len; j++) {
+                const float *vb = vh + tables[(int64_t)b * M + j] * S * D + d0;
+                const int n = len - (int64_t)j * S < S ? (int)(len - (int64_t)j * S) : S;
+                for (int s = 0; s < n; s++) {
+                    const float pw = p[(int64_t)j * S + s];
+                    for (int i = 0; i < w / 8; i++) acc[i] += pw * load8(vb + s * D + 8 * i);
                 }
-                memcpy(o + d0, acc, sizeof(float) * w);
             }
+            memcpy(o + d0, acc, sizeof(float) * w);
+        }
+    }
+}
+
+
+/* ---- 2. The weight matmuls of a few rows -------------------------------------------
+
+   y (N, O) = x (N, I) @ W (O, I)^T (+ bias (O,)): what F.linear computes, for the N = 1..4
+   rows of a small decode step (fast/compact.py's `Linear` calls it there, oneDNN above).
+
+   Why. At N = 1 a matmul reads each weight once and does 2 flops per 4 bytes read: the
+   memory, not the arithmetic, sets its time, so the best it can do is read the weights
+   as fast as a plain sum of them would. On the 2-core AMD EPYC (AVX2) of the reference
+   runs, oneDNN's prepacked linear and MKL's gemv read them at about half that speed;
+   `minserve bench floor` measures all three against the memory. Here each weight row is
+   read once, from its start to its end, one row after the other: one sequential stream,
+   the pattern the CPU's prefetcher follows best (four rows read side by side, four
+   streams, ran 1.6x slower here). The N rows of x (a few KB) stay in the L1 cache.
+
+       W (O, I)   row o: [ w w w w ... w ]  -> dotted with x[0..N-1]  -> y[0..N-1, o]
+                  row o+1 ...                   (8 floats a step, 2 sums per x row)
+
+   Threads split the output rows into contiguous ranges: each still one stream. The sums
+   run in another order than oneDNN's or MKL's: equal to float rounding, not bit for bit
+   (as oneDNN already was; tests/test_compact.py compares tokens with HF and logits to
+   1e-4). I need not be a multiple of 8 (a scalar tail). */
+
+/* out[n] = w . x[n] for n < NB <= 4; x's rows `ldx` floats apart. Inlined with NB a
+   constant, so the loops over n unroll into 2 * NB independent vector sums. */
+static inline __attribute__((always_inline)) void dot_rows(const float *w, const float *x,
+                                                         int64_t ldx, int I, const int NB,
+                                                         float *out) {
+    v8 a[4] = {{0}}, c[4] = {{0}};
+    int i = 0;
+    for (; i + 16 <= I; i += 16) {
+        const v8 w0 = load8(w + i), w1 = load8(w + i + 8);
+        for (int n = 0; n < NB; n++) {
+            a[n] += w0 * load8(x + n * ldx + i);
+            c[n] += w1 * load8(x + n * ldx + i + 8);
+        }
+    }
+    for (int n = 0; n < NB; n++) {
+        float s = hsum8(a[n] + c[n]);
+        for (int j = i; j < I; j++) s += w[j] * x[n * ldx + j];
+        out[n] = s;
+    }
+}
+
+void rows_linear(const float *x, const float *W, const float *bias, int N, int O, int I,
+                 float *y, int threads) {
+    #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(static)
+    for (int o = 0; o < O; o++) {
+        const float *w = W + (int64_t)o * I;
+        const float b = bias ? bias[o] : 0.0f;
+        for (int n0 = 0; n0 < N; n0 += 4) {  /* 4 rows of x per pass; the row stays in L1 */
+            float out[4];
+            const float *xs = x + (int64_t)n0 * I;
+            switch (N - n0 < 4 ? N - n0 : 4) {
+                case 1: dot_rows(w, xs, I, I, 1, out); break;
+                case 2: dot_rows(w, xs, I, I, 2, out); break;
+                case 3: dot_rows(w, xs, I, I, 3, out); break;
+                default: dot_rows(w, xs, I, I, 4, out); break;
+            }
+            for (int n = 0; n < 4 && n0 + n < N; n++) y[(int64_t)(n0 + n) * O + o] = out[n] + b;
         }
     }
 }

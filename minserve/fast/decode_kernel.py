@@ -16,10 +16,10 @@ tests/test_decode_kernel.py checks the kernel against `paged._attend` on ragged 
 tables and token-exact against Hugging Face `generate`. docs/benchmarks.md, "Decode
 attention", measures both.
 
-Building: `cc -O3 -march=native -shared -fPIC` into `$MINSERVE_CACHE_DIR/kernels/`
+Building: `cc -O3 -march=native -fopenmp -shared -fPIC` into `$MINSERVE_CACHE_DIR/kernels/`
 (about a second), under a name that hashes the source, the compiler and the CPU, so a
 cache directory shared between machines never hands one CPU another's instructions.
-The `.so` has no Python or torch headers in it: two plain C functions taking pointers.
+The `.so` has no Python or torch headers in it: plain C functions taking pointers.
 ctypes releases the GIL while they run, as torch's own operators do.
 """
 
@@ -40,6 +40,10 @@ import torch
 SOURCE = Path(__file__).with_name("decode_kernel.c")
 MODES = ("torch", "kernel", "auto")
 FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC"]
+# Tried in this order until one builds: this CPU's vector instructions (-march=native)
+# and threads (-fopenmp: the .so then uses the OpenMP runtime torch has already loaded,
+# the same thread pool), then without either.
+EXTRA_FLAGS = (["-march=native", "-fopenmp"], ["-march=native"], ["-fopenmp"], [])
 
 
 def unsupported_reason(dtype: torch.dtype, device: torch.device, head_dim: int) -> str | None:
@@ -54,7 +58,9 @@ def unsupported_reason(dtype: torch.dtype, device: torch.device, head_dim: int) 
 
 
 class DecodeKernel:
-    """The two C functions, bound: `attend(q, k, v, tables, lengths, scale, block_size)`."""
+    """The C functions, bound: `attend(q, k, v, tables, lengths, scale, block_size)` and
+    `linear(x, weight, bias)`. Each runs on torch's intra-op thread count
+    (`torch.get_num_threads()`, read at every call, as torch's own operators do)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -62,9 +68,11 @@ class DecodeKernel:
         P, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         common = [P, P, P, P, i32, i32, i32, i32, i64, i32, i32]
         self._scores, self._values = lib.decode_scores, lib.decode_values
-        self._scores.argtypes = common + [ctypes.c_float, P]
-        self._values.argtypes = common + [P]
-        self._scores.restype = self._values.restype = None
+        self._scores.argtypes = common + [ctypes.c_float, P, i32]
+        self._values.argtypes = common + [P, i32]
+        self._linear = lib.rows_linear
+        self._linear.argtypes = [P, P, P, i32, i32, i32, P, i32]
+        self._scores.restype = self._values.restype = self._linear.restype = None
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                tables: torch.Tensor, lengths: torch.Tensor, scale: float,
@@ -80,13 +88,28 @@ class DecodeKernel:
         assert tables.dtype == lengths.dtype == torch.int64 and tables.is_contiguous()
         dims = (B, H, H_kv, D, num_slots, block_size, M)
         scores = torch.empty(B, H, M * block_size)  # (B, H, L): -inf past each row's end
+        threads = torch.get_num_threads()
         self._scores(q.data_ptr(), k_pool.data_ptr(), tables.data_ptr(), lengths.data_ptr(),
-                     *dims, scale, scores.data_ptr())
+                     *dims, scale, scores.data_ptr(), threads)
         probs = torch.softmax(scores, dim=-1)  # (B, H, L)
         out = torch.empty(B, H, D)
         self._values(probs.data_ptr(), v_pool.data_ptr(), tables.data_ptr(),
-                     lengths.data_ptr(), *dims, out.data_ptr())
+                     lengths.data_ptr(), *dims, out.data_ptr(), threads)
         return out  # (B, H, D)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (N, in) @ weight (out, in).T + bias (out,) -> (N, out), float32 on the CPU:
+        F.linear, read the way a few rows read fastest (decode_kernel.c, `rows_linear`)."""
+        rows, n_in = x.shape
+        n_out = weight.shape[0]
+        x = x.contiguous()
+        assert weight.shape[1] == n_in and weight.is_contiguous() and x.dtype == torch.float32
+        assert bias is None or (bias.shape == (n_out,) and bias.is_contiguous())
+        y = torch.empty(rows, n_out)
+        self._linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                     rows, n_out, n_in, y.data_ptr(), torch.get_num_threads())
+        return y  # (N, out)
 
 
 def kernel_for(mode: str, storage) -> DecodeKernel | None:
@@ -137,8 +160,8 @@ def _load(cc: str) -> DecodeKernel:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=target.parent)) / target.name
         errors = []
-        for arch in (["-march=native"], []):  # -march=native: this CPU's vector instructions
-            run = subprocess.run([cc, *FLAGS, *arch, str(SOURCE), "-o", str(tmp)],
+        for extra in EXTRA_FLAGS:
+            run = subprocess.run([cc, *FLAGS, *extra, str(SOURCE), "-o", str(tmp)],
                                  capture_output=True, text=True)
             if run.returncode == 0:
                 break
