@@ -40,6 +40,7 @@ from .records import TickRecord
 from .request import Request, RequestOutput
 from .sampling import SamplingParams, make_generator
 from .scheduler import Scheduler
+from .spans import Spans, from_env
 from .streaming import RequestHandle
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
@@ -132,6 +133,8 @@ class Engine:
         self._wake = threading.Event()
         self.last_tick_at: float | None = None  # time.time() of the worker's last loop
         self.trace: list[TickRecord] | None = None  # set to [] to record every tick
+        self.spans: Spans | None = None  # where each tick's and token's time goes (spans.py)
+        self.set_spans(from_env())  # MINSERVE_SPANS=FILE turns them on; off by default
 
     # ================================================================ inputs
     def _eos_ids(self) -> tuple[int, ...]:
@@ -194,7 +197,7 @@ class Engine:
         req.generator = make_generator(sampling.seed if sampling.seed is not None
                                        else self.config.seed * 1_000_003 + seq)
         req.handle = RequestHandle(req.request_id, self.cancel, self.tokenizer, sampling.stop,
-                                   drive=self._drive_step_mode)
+                                   drive=self._drive_step_mode, spans=self.spans)
         return req
 
     # ================================================================ public API
@@ -258,6 +261,11 @@ class Engine:
                 self.step()
         return [r.handle.output for r in reqs]
 
+    def set_spans(self, spans: Spans | None) -> None:
+        """Time each tick's phases and each token's way to its client from now on
+        (spans.py; requests submitted from now on), or stop (None)."""
+        self.spans = self.scheduler.spans = spans
+
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats()
         s.update(model=self.model_name, device=str(self.device), worker_alive=self.running,
@@ -298,6 +306,8 @@ class Engine:
         if self._worker is not None:
             self._worker.join(timeout)
         self._worker = None
+        if self.spans is not None and self.spans.path is not None:  # MINSERVE_SPANS=FILE
+            self.spans.dump()
 
     def close(self) -> None:
         """Stop the worker thread and, if there is one, the prefill worker process."""

@@ -107,6 +107,9 @@ class Scheduler:
         # prefill_mode="disaggregated": the prefill worker's handle (disagg/connector.py),
         # set by the engine. T2 sends prompts to it and polls it instead of computing them.
         self.remote = None
+        # where a served token's time goes (spans.py, set by the engine when MINSERVE_SPANS
+        # asks): each tick's phases timed. None: off, one `is None` check per phase.
+        self.spans = None
 
     # ================================================================= entry points
     def submit(self, req: Request) -> Rejection | None:
@@ -159,11 +162,25 @@ class Scheduler:
         """One tick: the four phases in SPEC order (T5), under the backend lock."""
         with self.lock:
             t0 = time.perf_counter()
+            if self.spans is not None:
+                self.spans.tick_started()
             admit = self.admit_pending()
+            self._mark("admit")
             prefill = self.advance_prefill_chunk()
+            self._mark("prefill")
             evict = self.evict_finished()
-            decode = self.decode_step()
-            return self.end_tick(admit, prefill, evict, decode, time.perf_counter() - t0)
+            self._mark("evict")
+            decode = self.decode_step()  # marks its parts (execute.run_decode)
+            rec = self.end_tick(admit, prefill, evict, decode, time.perf_counter() - t0)
+            if self.spans is not None:
+                self.spans.mark("record")
+                self.spans.tick_ended(len(decode.rows), sum(rec.forwards))
+            return rec
+
+    def _mark(self, phase: str) -> None:
+        """`phase` of this tick ends now, for `spans` when they are on."""
+        if self.spans is not None:
+            self.spans.mark(phase)
 
     def end_tick(self, admit: AdmitRecord, prefill: PrefillRecord, evict: EvictRecord,
                  decode: DecodeRecord, duration_s: float = 0.0) -> TickRecord:

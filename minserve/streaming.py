@@ -100,8 +100,9 @@ class RequestHandle:
 
     def __init__(self, request_id: str, cancel_fn: Callable[[str], None] | None = None,
                  tokenizer=None, stop: list[str] | None = None,
-                 drive: Callable[[], bool] | None = None) -> None:
+                 drive: Callable[[], bool] | None = None, spans=None) -> None:
         self.request_id = request_id
+        self.spans = spans  # a spans.Spans: each token's detokenise and push timed; None: off
         self._cancel_fn = cancel_fn
         self._drive = drive  # runs one tick in step mode; False when a worker ticks
         self.detok = IncrementalDetokenizer(tokenizer, stop)
@@ -128,7 +129,11 @@ class RequestHandle:
 
     def _on_token(self, index: int, token_id: int) -> bool:
         """Stream one sampled token now; True when it completed a stop string."""
-        self._push(StreamEvent(index, token_id, self.detok.add(token_id)))
+        start = time.perf_counter() if self.spans is not None else 0.0
+        ev = StreamEvent(index, token_id, self.detok.add(token_id))
+        self._push(ev)
+        if self.spans is not None:  # where a served token's time goes (spans.py)
+            self.spans.token_pushed(self.request_id, index, start, ev.time, time.perf_counter())
         return self.detok.stopped
 
     def _finish(self, output, finish_reason: str, rejection=None, error=None) -> None:
