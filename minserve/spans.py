@@ -131,14 +131,22 @@ def tick_phases(tick: dict[str, Any], next_start: float | None) -> dict[str, flo
     return out
 
 
+def phase_at(tick: dict[str, Any], t: float) -> str | None:
+    """The phase of `tick` that was running at time `t` (None: after its last mark)."""
+    for phase, end in tick["marks"]:
+        if t <= end:
+            return phase
+    return None
+
+
 def summary(data: dict[str, Any]) -> dict[str, Any]:
     """The split of a streamed token's time, from `Spans.to_dict()` (or a dumped file).
 
     Each token after a request's first is charged the cycle of the tick that produced it
     (its phases and the gap before the next tick): in a steady stream the time between
-    two tokens IS a tick's cycle. The tick's `post` phase is split further into its
-    tokens' detokenising, their pushes to the handles, and the rest (stop checks,
-    charging the policy). Per part, the mean over those tokens, in seconds, so the parts
+    two tokens IS a tick's cycle. The tokens' detokenising and pushes to their
+    handles are taken out of the phases they ran in (`post` for decode rows, `chunks` or
+    `prefill` for first tokens) and counted apart. Per part, the mean over those tokens, in seconds, so the parts
     add up to the mean time per output token of the run's streams (`cycle_s`). Beside
     it, on the event loop's thread and in parallel with the next tick, the mean seconds
     from a token's push to the SSE stream getting it, and to its chunk's write. Ticks
@@ -152,16 +160,17 @@ def summary(data: dict[str, Any]) -> dict[str, Any]:
     for c in cycles:
         c.update(detokenise=0.0, push=0.0)
     wait, sse = [], []
-    for tok in data["tokens"]:  # each token's detokenise and push, into its tick's post
+    for tok in data["tokens"]:  # each token's detokenise and push, out of the phase it ran in
         if "got" in tok and "pushed" in tok:
             wait.append(tok["got"] - tok["pushed"])
             sse.append(tok["sent"] - tok["got"])
         i = _tick_of(starts, tok["pushed"]) if "pushed" in tok else None
-        if i is not None and "post" in cycles[i]:
-            cycles[i]["detokenise"] += tok["pushed"] - tok["detok"]
-            cycles[i]["push"] += tok["done"] - tok["pushed"]
-    for c in cycles:
-        c["post"] = c.get("post", 0.0) - c["detokenise"] - c["push"]
+        phase = None if i is None else phase_at(ticks[i], tok["detok"])
+        if phase is not None:  # `post` for a decode row's token, `chunks` for a first one
+            detok, push = tok["pushed"] - tok["detok"], tok["done"] - tok["pushed"]
+            cycles[i].update({"detokenise": cycles[i]["detokenise"] + detok,
+                              "push": cycles[i]["push"] + push,
+                              phase: cycles[i][phase] - detok - push})
     per_token: dict[str, list[float]] = {}
     rows, chunked = [], 0
     for tok in data["tokens"]:
