@@ -19,7 +19,7 @@ import argparse
 # peers/; this command, which lists every experiment, is the one module of bench/ that
 # imports peers/ (tests/test_layout.py allows it those two modules there, nothing else).
 from ..peers import served, serving
-from . import admission, attention, forward, gpu, kv, scheduling, throughput
+from . import admission, attention, floor, forward, gpu, kv, scheduling, throughput
 from .registry import Bench, Experiment
 
 DEFAULT = "serving"
@@ -27,8 +27,8 @@ DEFAULT = "serving"
 EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
     serving.serving, throughput.decode_throughput, kv.kv_cache, scheduling.scheduling,
     scheduling.long_prompt, scheduling.disaggregated, throughput.busy, admission.admission, forward.tick_profile,
-    forward.compact, forward.linear, attention.attention, scheduling.demo_wait, gpu.gpu,
-    served.served_token)}
+    forward.compact, forward.linear, attention.attention, floor.floor, served.served_token,
+    scheduling.demo_wait, gpu.gpu)}
 
 
 def _add(p: argparse.ArgumentParser, e: Experiment) -> None:
