@@ -229,7 +229,11 @@ class Engine:
         return True
 
     def step(self) -> TickRecord:
-        """One tick (T1..T4). In serving mode the worker calls this; don't call it yourself then."""
+        """One tick (T1..T4). In serving mode the worker calls this; don't call it yourself
+        then. The worker's records leave out the state after the tick unless a trace is
+        kept (`Scheduler.snapshot_ticks`); step mode's always have it (T6)."""
+        self.scheduler.snapshot_ticks = (self.trace is not None
+                                         or threading.current_thread() is not self._worker)
         rec = self.scheduler.step()
         if self.trace is not None:
             self.trace.append(rec)
