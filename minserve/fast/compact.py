@@ -136,6 +136,7 @@ class CompactLlama:
         half = sin.shape[-1] // 2
         self.sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # (P, D)
         self.scale = self.head_dim ** -0.5
+        self._table = None  # (storage, C layer table) for decode_in_c, built on first use
 
     @staticmethod
     @torch.no_grad()
@@ -184,6 +185,8 @@ class CompactLlama:
         """ids, positions (B, T) -> float32 logits (B, K, V) at the kept positions
         (`logits_to_keep`: the last k per row, or indices into T), as the HF path returns."""
         B, T = ids.shape
+        if self._in_c(ctx, B, T, logits_to_keep):
+            return self.decode_in_c(ids, positions, ctx)
         N = B * T
         H, H_kv, D = self.num_heads, self.num_kv_heads, self.head_dim
         x = F.embedding(ids.reshape(N), self.embed)  # (N, E): flat tokens, row after row
@@ -214,6 +217,37 @@ class CompactLlama:
             x = x[:, logits_to_keep]  # (B, K, E)
         x = self._rms_norm(x, self.final_norm)  # (B, K, E)
         return self.head(x.reshape(-1, x.shape[-1])).view(*x.shape[:2], -1).float()  # (B, K, V)
+
+
+    # --- a decode step of a few rows, every layer in C -----------------------------------
+    def _in_c(self, ctx: PagedForward, B: int, T: int, logits_to_keep) -> bool:
+        """Whether this forward is a decode step `decode_in_c` runs: one token for each of
+        at most `Linear.SMALL_ROWS` rows, with the engine's decode attention in C (the
+        group has `lengths`: decode_attention="kernel"/"auto"; with "torch" the loop below
+        keeps PyTorch's attention, as that knob asks)."""
+        return (self.kernel is not None and T == 1 and B <= Linear.SMALL_ROWS
+                and logits_to_keep == 1 and len(ctx.groups) == 1
+                and ctx.groups[0].lengths is not None)
+
+    def decode_in_c(self, ids: torch.Tensor, positions: torch.Tensor,
+                    ctx: PagedForward) -> torch.Tensor:
+        """The forward below for a decode step of a few rows, with every layer in one C
+        call (decode_kernel.c, part 3): the same math, without the ~25 PyTorch operators a
+        layer costs between its four matmuls. ids, positions (B, 1) -> logits (B, 1, V)."""
+        B = ids.shape[0]
+        g = ctx.groups[0]
+        if self._table is None or self._table[0] is not ctx.storage:  # pointers, once per pool
+            pools = [ctx.storage.flat(i) for i in range(len(self.layers))]
+            self._table = (ctx.storage, self.kernel.layer_table(self.layers, pools))
+        x = F.embedding(ids.reshape(B), self.embed)  # (B, E): a copy, updated in place
+        pos = positions.reshape(B)
+        self.kernel.decode_layers(
+            self._table[1], x, self.cos[pos], self.sin_signed[pos], ctx.write_slots,
+            g.read_blocks, g.lengths, self.num_heads, self.num_kv_heads,
+            self.layers[0]["down"].shape[1], ctx.storage.block_size,
+            ctx.storage.flat(0)[0].shape[1], self.eps, self.scale)
+        x = self.kernel.rms_norm(x, self.final_norm, self.eps)  # (B, E)
+        return self.head(x).view(B, 1, -1)  # (B, 1, V), float32
 
 
 class Linear:

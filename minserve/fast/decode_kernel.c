@@ -139,8 +139,7 @@ void decode_values(const float *probs, const float *v_pool, const int64_t *table
 
    Why. At N = 1 a matmul reads each weight once and does 2 flops per 4 bytes read: the
    memory, not the arithmetic, sets its time, so the best it can do is read the weights
-   as fast as a plain sum of them would. On the 2-core AMD EPYC (AVX2) of the reference
-   runs, oneDNN's prepacked linear and MKL's gemv read them at about half that speed;
+   as fast as a plain sum of them would. On the 2-core AMD EPYC of the reference runs, oneDNN's prepacked linear and MKL's gemv read them at about half that speed;
    `minserve bench floor` measures all three against the memory. Here each weight row is
    read once, from its start to its end, one row after the other: one sequential stream,
    the pattern the CPU's prefetcher follows best (four rows read side by side, four
@@ -175,8 +174,9 @@ static inline __attribute__((always_inline)) void dot_rows(const float *w, const
     }
 }
 
-void rows_linear(const float *x, const float *W, const float *bias, int N, int O, int I,
-                 float *y, int threads) {
+/* y = x @ W^T + bias, or y += that (`accumulate`: the residual stream's add, fused) */
+static void linear_rows(const float *x, const float *W, const float *bias, int N, int O, int I,
+                        float *y, int accumulate, int threads) {
     #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(static)
     for (int o = 0; o < O; o++) {
         const float *w = W + (int64_t)o * I;
@@ -190,7 +190,125 @@ void rows_linear(const float *x, const float *W, const float *bias, int N, int O
                 case 3: dot_rows(w, xs, I, I, 3, out); break;
                 default: dot_rows(w, xs, I, I, 4, out); break;
             }
-            for (int n = 0; n < 4 && n0 + n < N; n++) y[(int64_t)(n0 + n) * O + o] = out[n] + b;
+            for (int n = 0; n < 4 && n0 + n < N; n++) {
+                float *yo = y + (int64_t)(n0 + n) * O + o;
+                *yo = accumulate ? *yo + (out[n] + b) : out[n] + b;
+            }
         }
     }
+}
+
+void rows_linear(const float *x, const float *W, const float *bias, int N, int O, int I,
+                 float *y, int threads) {
+    linear_rows(x, W, bias, N, O, I, y, 0, threads);
+}
+
+
+/* ---- 3. A whole decode step of a few rows ------------------------------------------
+
+   For the one or two rows of a small decode step (fast/compact.py, `decode_in_c`), every
+   decoder layer of the compact forward, written out. Why: at one or two rows a layer's
+   time is its 4 matmuls streaming the weights (2 above) plus, between them, some 25
+   small PyTorch operators (two RMSNorms, RoPE, the KV write, softmax, SiLU, the residual
+   adds, views and copies), each costing microseconds of dispatch for a few hundred
+   floats of work: about a tenth of the step. Here they are loops over those floats,
+   and the whole step is one call from Python.
+
+   Per layer, the rows' residual stream x (N, E) updated in place:
+
+       h = rms_norm(x) * ln1
+       qkv = h @ Wqkv^T (+ b)                 (N, (H + 2 H_kv) D): q heads, k heads, v heads
+       q, k = rope(q), rope(k)                x cos + roll(x, D/2) sin_signed (compact.py)
+       pools[slot of each row] = k, v         written first: a token attends to itself
+       a = softmax(scale q.K) V               decode_scores / decode_values (1 above)
+       x += a @ Wo^T (+ b)
+       h = rms_norm(x) * ln2
+       g | u = h @ Wgu^T (+ b)                (N, 2I)
+       x += (silu(g) * u) @ Wdown^T (+ b)
+
+   Numerics: every sum in float32 but in another order than PyTorch's (the RMSNorm's
+   mean, the softmax's sum, the matmuls), and expf where PyTorch has its vectorised exp:
+   equal to float rounding. tests/test_decode_kernel.py checks the step against the
+   Python forward, and token for token against HF `generate`. */
+
+typedef struct {  /* one decoder layer as CompactLlama keeps it; a missing bias is NULL */
+    const float *ln1, *qkv, *qkv_bias, *o, *o_bias, *ln2, *gate_up, *gate_up_bias, *down,
+        *down_bias;
+    float *k_pool, *v_pool;  /* the layer's (H_kv, num_slots, D) pools */
+} Layer;
+
+typedef struct {  /* one step: sizes, the rows, scratch the caller allocated */
+    int N, E, H, H_kv, D, I, S, M, threads;
+    int64_t num_slots;
+    float eps, scale;
+    float *x;                              /* (N, E) the residual stream, in and out */
+    const float *cos, *sin;                /* (N, D) at each row's position (sin signed) */
+    const int64_t *slots, *tables, *lens;  /* (N,) write slots, (N, M) blocks, (N,) lengths */
+    float *h, *qkv, *q, *att, *scores, *gu, *act;
+    /* (N, E), (N, (H+2H_kv)D), (N, H, D), (N, H, D), (N, H, M*S), (N, 2I), (N, I) */
+} Step;
+
+/* y[n] = w * (x[n] / sqrt(mean(x[n]^2) + eps)), HF's LlamaRMSNorm in float32 */
+void rms_norm(const float *x, const float *w, int N, int E, float eps, float *y) {
+    for (int n = 0; n < N; n++) {
+        const float *xn = x + (int64_t)n * E;
+        float *yn = y + (int64_t)n * E;
+        v8 acc = {0};
+        int i = 0;
+        for (; i + 8 <= E; i += 8) { const v8 v = load8(xn + i); acc += v * v; }
+        float sq = hsum8(acc);
+        for (; i < E; i++) sq += xn[i] * xn[i];
+        const float r = 1.0f / sqrtf(sq / (float)E + eps);
+        for (int j = 0; j < E; j++) yn[j] = w[j] * (xn[j] * r);
+    }
+}
+
+/* out = x * cos + roll(x, D/2) * sin, one head of D floats (compact.py's RoPE) */
+static void rope(const float *x, const float *cos, const float *sin, int D, float *out) {
+    const int half = D / 2;
+    for (int d = 0; d < D; d++) out[d] = x[d] * cos[d] + x[(d + half) % D] * sin[d];
+}
+
+static void decode_layer(const Layer *w, const Step *st) {
+    const int N = st->N, E = st->E, H = st->H, H_kv = st->H_kv, D = st->D, I = st->I;
+    const int QKV = (H + 2 * H_kv) * D;
+    const int64_t L = (int64_t)st->M * st->S;
+    rms_norm(st->x, w->ln1, N, E, st->eps, st->h);
+    linear_rows(st->h, w->qkv, w->qkv_bias, N, QKV, E, st->qkv, 0, st->threads);
+    for (int n = 0; n < N; n++) {
+        const float *row = st->qkv + (int64_t)n * QKV;
+        const float *c = st->cos + (int64_t)n * D, *s = st->sin + (int64_t)n * D;
+        const int64_t slot = st->slots[n];
+        for (int h = 0; h < H; h++)  /* q heads into (N, H, D) */
+            rope(row + h * D, c, s, D, st->q + ((int64_t)n * H + h) * D);
+        for (int hk = 0; hk < H_kv; hk++) {  /* k and v into the pools, at the row's slot */
+            float *k_dst = w->k_pool + ((int64_t)hk * st->num_slots + slot) * D;
+            float *v_dst = w->v_pool + ((int64_t)hk * st->num_slots + slot) * D;
+            rope(row + (H + hk) * D, c, s, D, k_dst);
+            memcpy(v_dst, row + (H + H_kv + hk) * D, sizeof(float) * D);
+        }
+    }
+    decode_scores(st->q, w->k_pool, st->tables, st->lens, N, H, H_kv, D, st->num_slots,
+                  st->S, st->M, st->scale, st->scores, st->threads);
+    for (int64_t r = 0; r < (int64_t)N * H; r++) {  /* softmax over each (row, head)'s L */
+        float *p = st->scores + r * L, mx = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < L; t++) mx = p[t] > mx ? p[t] : mx;
+        for (int64_t t = 0; t < L; t++) { p[t] = expf(p[t] - mx); sum += p[t]; }
+        for (int64_t t = 0; t < L; t++) p[t] /= sum;
+    }
+    decode_values(st->scores, w->v_pool, st->tables, st->lens, N, H, H_kv, D, st->num_slots,
+                  st->S, st->M, st->att, st->threads);
+    linear_rows(st->att, w->o, w->o_bias, N, E, H * D, st->x, 1, st->threads);
+    rms_norm(st->x, w->ln2, N, E, st->eps, st->h);
+    linear_rows(st->h, w->gate_up, w->gate_up_bias, N, 2 * I, E, st->gu, 0, st->threads);
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < I; i++) {
+            const float g = st->gu[(int64_t)n * 2 * I + i], u = st->gu[(int64_t)n * 2 * I + I + i];
+            st->act[(int64_t)n * I + i] = g / (1.0f + expf(-g)) * u;
+        }
+    linear_rows(st->act, w->down, w->down_bias, N, E, I, st->x, 1, st->threads);
+}
+
+void decode_layers(const Layer *layers, int num_layers, const Step *st) {
+    for (int l = 0; l < num_layers; l++) decode_layer(&layers[l], st);
 }
