@@ -14,6 +14,7 @@ import torch
 
 from minserve import EngineConfig, SamplingParams
 from minserve.backends.paged import PagedBackend, PagedForward
+from minserve.fast import decode_kernel
 from minserve.fast.compact import CompactLlama, Linear
 from minserve.kv_cache import BlockManager
 
@@ -112,14 +113,15 @@ def test_auto_runner_is_compact_where_it_runs_the_model_and_hf_elsewhere():
     assert EngineConfig(backend="padded", model_runner="auto").backend == "padded"
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5])  # 1, 2: the C loop; 5: oneDNN
 @pytest.mark.parametrize("bias", [False, True])
-def test_prepacked_linear_computes_what_f_linear_computes(bias):
+def test_prepacked_linear_computes_what_f_linear_computes(bias, rows):
     torch.manual_seed(0)
-    w, b, x = torch.randn(48, 32), torch.randn(48) if bias else None, torch.randn(5, 32)
-    lin = Linear(w, b)
+    w, b, x = torch.randn(48, 32), torch.randn(48) if bias else None, torch.randn(rows, 32)
+    lin = Linear(w, b, decode_kernel.load())
     assert lin.packed is not None or not torch.backends.mkldnn.is_available()
     torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    xt = x.t().contiguous().t()  # (5, 32), not contiguous
+    xt = x.t().contiguous().t()  # (rows, 32), not contiguous
     torch.testing.assert_close(lin(xt), lin(x))
     plain = Linear(w.double(), None if b is None else b.double())  # no oneDNN: F.linear
     assert plain.packed is None and plain(x.double()).dtype == torch.float64

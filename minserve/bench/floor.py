@@ -116,6 +116,7 @@ def measure(bench, batch: int, context: int, ticks: int, paths: list[str]) -> di
             option("--context", type=int, default=128, help="tokens of history per row"),
             option("--ticks", type=int, default=8, help="rounds timed (after 2 of warm-up)"),
             option("--paths", nargs="+", default=[*PATHS, "hf"], choices=[*PATHS, "hf"]),
+            option("--tiny", action="store_true", help="a tiny random Llama (smoke runs)"),
             threads=serve_threads())
 def floor(bench):
     """A decode step of each path against this machine's floor (memory or matmul bound)."""
