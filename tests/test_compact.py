@@ -161,7 +161,8 @@ def test_compact_bench_times_pure_decode_ticks_of_both_runners():
 
 
 def test_linear_bench_times_the_same_products_both_ways():
-    """The linear benchmark's plain weights are the prepacked ones unpacked: same math."""
+    """The linear benchmark's plain weights are the ones each Linear multiplies: same math,
+    timed by F.linear, oneDNN and (up to its row count) the C loop."""
     from minserve.bench.forward import linear_times, weight_pairs
 
     runner = CompactLlama(tiny("llama"), max_model_len=64)
@@ -170,5 +171,6 @@ def test_linear_bench_times_the_same_products_both_ways():
     for w, lin in pairs:
         x = torch.randn(3, lin.shape[1])
         torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
-    r = linear_times(runner, B=2, rounds=1)
-    assert set(r) == {"F.linear", "prepacked"} and min(r.values()) > 0
+    r = linear_times(runner, B=2, rounds=1, c_rows=2)
+    assert set(r) == {"F.linear", "prepacked", "C"} and min(r.values()) > 0
+    assert set(linear_times(runner, B=3, rounds=1, c_rows=2)) == {"F.linear", "prepacked"}

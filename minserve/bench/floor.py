@@ -28,6 +28,12 @@ tokens (a tick is what a token costs the engine: forward, sampling, bookkeeping)
     hf         Hugging Face's own step, the inner loop of static `generate`: its forward
                over its DynamicCache and an argmax (bench/overhead.py, `BareDecoder`)
 
+At one and two rows, where the serve path runs its C parts, two more engines of the
+serve path time what each part is worth, in the same rounds: `serve-onednn`, every
+matmul by oneDNN and every layer in Python (the serve path before them), and
+`serve-rows`, the matmuls of the few rows in C (`compact.Linear`) but the layers still
+in Python; the serve path itself also runs each layer in one C call (`decode_in_c`).
+
 Threads default to what `minserve serve` uses on this machine: every core but one.
 """
 
@@ -37,6 +43,7 @@ import os
 
 import torch
 
+from ..fast.compact import Linear
 from .overhead import BareDecoder
 from .registry import experiment, option
 from .report import md_table
@@ -49,6 +56,10 @@ PATHS = {
     "serve": ("paged + compact + C decode kernel (serve)",
               {"backend": "paged", "model_runner": "compact", "decode_attention": "kernel"}),
 }
+# At the batch sizes where the serve path runs its C parts (1-2 rows), the same path with
+# them taken away one at a time: what each is worth, measured in the same rounds.
+# (C matmul of a few rows, every layer in C); the serve path itself has both.
+PARTS = {"serve-onednn": (False, False), "serve-rows": (True, False)}
 READ_FLOATS = 64 * 2**20  # 256 MB: far beyond any cache
 GEMM = 1024
 
@@ -82,6 +93,18 @@ def floor_ms(cost: dict[str, float], read_gbs: float, gflops: float) -> dict[str
     return {"bandwidth": bw, "compute": compute, "floor": max(bw, compute)}
 
 
+def without_c_parts(engine, rows_in_c: bool, layers_in_c: bool) -> None:
+    """Take the serve path's C parts out of `engine`'s compact runner (its own, built for
+    it): the few rows' matmuls back to oneDNN, the layers back to the Python loop."""
+    runner = engine.scheduler.backend.runner
+    if not rows_in_c:
+        for lin in [runner.head, *(w[n] for w in runner.layers
+                                   for n in ("qkv", "o", "gate_up", "down"))]:
+            lin.kernel = None
+    if not layers_in_c:
+        runner._in_c = lambda *_: False
+
+
 def measure(bench, batch: int, context: int, ticks: int, paths: list[str]) -> dict[str, float]:
     """Median ms of a decode step of each path, and this machine's read and matmul rates
     (GB/s, GFLOP/s), all interleaved."""
@@ -97,6 +120,12 @@ def measure(bench, batch: int, context: int, ticks: int, paths: list[str]) -> di
         engines[name] = bench.engine(max_batch_size=batch, num_blocks=batch * per_row + 2,
                                      enable_prefix_caching=False, **PATHS[name][1])
         handles[name] = decoding(engines[name], prompts, ticks + 8)
+    if "serve" in paths and batch <= Linear.SMALL_ROWS:
+        for name, parts in PARTS.items():
+            engines[name] = bench.engine(max_batch_size=batch, num_blocks=batch * per_row + 2,
+                                         enable_prefix_caching=False, **PATHS["serve"][1])
+            without_c_parts(engines[name], *parts)
+            handles[name] = decoding(engines[name], prompts, ticks + 8)
     big = torch.ones(READ_FLOATS)
     a, b = torch.randn(GEMM, GEMM), torch.randn(GEMM, GEMM)
     sides = {"read": lambda: big.sum(), "matmul": lambda: torch.mm(a, b)}
@@ -122,7 +151,7 @@ def floor(bench):
     """A decode step of each path against this machine's floor (memory or matmul bound)."""
     a = bench.args
     model, _ = bench.model()
-    floors, steps, rates = [], [], []
+    floors, steps, rates, parts = [], [], [], []
     for B in a.batch:
         t = measure(bench, B, a.context, a.ticks, a.paths)
         cost = step_cost(model, B, a.context)
@@ -134,7 +163,10 @@ def floor(bench):
                        f"{f['compute']:.1f}", f"**{f['floor']:.1f}** ({bound})"])
         steps.append([B, f"{f['floor']:.1f}",
                       *(f"{t[p]:.1f} ({t[p] / f['floor']:.2f}x)" for p in a.paths)])
-        print(floors[-1], steps[-1], flush=True)
+        if "serve-rows" in t:
+            parts.append([B, f"{f['floor']:.1f}", *(f"{t[p]:.1f} ({t[p] / f['floor']:.2f}x)"
+                                                    for p in (*PARTS, "serve"))])
+        print(floors[-1], steps[-1], *parts[-1:], flush=True)
         if B == 1 and "serve" in a.paths:
             bench.record({"floor.batch1_ms": round(f["floor"], 1),
                           "floor.serve_batch1_ratio": round(t["serve"] / f["floor"], 2)},
@@ -153,4 +185,9 @@ def floor(bench):
         *md_table(["batch", "weights read (MB)", "KV read (MB)", "GFLOP", "memory floor (ms)",
                    "compute floor (ms)", "floor (ms)"], floors, "---:"), "",
         *md_table(["batch", "floor (ms)", *(f"{names[p]} (ms, x floor)" for p in a.paths)],
-                  steps, "---:")])
+                  steps, "---:"),
+        *(["", "The serve path at one and two rows, its C parts added one at a time (the "
+           "same rounds):", "",
+           *md_table(["batch", "floor (ms)", "every matmul in oneDNN, layers in Python (ms, "
+                      "x floor)", "+ the few rows' matmuls in C", "+ every layer in one C "
+                      "call (the serve path)"], parts, "---:")] if parts else [])])
