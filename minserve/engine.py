@@ -41,7 +41,7 @@ from .request import Request, RequestOutput
 from .sampling import SamplingParams, make_generator
 from .scheduler import Scheduler
 from .spans import Spans, from_env
-from .streaming import RequestHandle
+from .streaming import RequestHandle, Waker
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 DEFAULT_MAX_CONTEXT_FOR_BLOCKS = 1024  # tokens per row assumed when deriving num_blocks
@@ -133,6 +133,8 @@ class Engine:
         self._wake = threading.Event()
         self.last_tick_at: float | None = None  # time.time() of the worker's last loop
         self.trace: list[TickRecord] | None = None  # set to [] to record every tick
+        # async readers' wakes: the worker sends them between ticks (streaming.Waker)
+        self.waker = Waker()
         self.spans: Spans | None = None  # where each tick's and token's time goes (spans.py)
         self.set_spans(from_env())  # MINSERVE_SPANS=FILE turns them on; off by default
 
@@ -197,7 +199,8 @@ class Engine:
         req.generator = make_generator(sampling.seed if sampling.seed is not None
                                        else self.config.seed * 1_000_003 + seq)
         req.handle = RequestHandle(req.request_id, self.cancel, self.tokenizer, sampling.stop,
-                                   drive=self._drive_step_mode, spans=self.spans)
+                                   drive=self._drive_step_mode, spans=self.spans,
+                                   waker=self.waker)
         return req
 
     # ================================================================ public API
@@ -320,9 +323,17 @@ class Engine:
             self.scheduler.remote.close()
 
     def _run(self) -> None:
+        self.waker.hold()  # async readers are woken between ticks (streaming.Waker)
+        try:
+            self._loop()
+        finally:
+            self.waker.release()
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             self.last_tick_at = time.time()  # heartbeat: a stuck worker stops updating it
             try:
+                self.waker.flush()  # the last tick's tokens, as this tick's forward begins
                 if not self.scheduler.has_work():
                     self._wake.wait(timeout=0.1)
                     self._wake.clear()
