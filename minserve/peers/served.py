@@ -73,7 +73,10 @@ def served_split(rate: float, duration_s: float, seed: int, extra: list[str], ou
     data["ticks"] = [t for t in data["ticks"] if t["start"] >= since]
     data["tokens"] = [t for t in data["tokens"] if t.get("detok", since) >= since]
     tpots = [r.tpot for r in run.results if r.ok and r.tpot is not None]
-    return (summary(data), RateRun.of(rate, run.results, run.t_start, run.t_end),
+    s = summary(data)
+    s["engine"] = next((ln.strip() for ln in (out_dir / "minserve.log").read_text().splitlines()
+                        if ln.startswith("engine:")), "engine: (not in the server's log)")
+    return (s, RateRun.of(rate, run.results, run.t_start, run.t_end),
             sum(tpots) / len(tpots) if tpots else None)
 
 
@@ -106,7 +109,8 @@ def served_token(bench):
     bench.publish("served-token", [
         "## Where a served token's time goes", "",
         f"`minserve bench served-token --rate {a.rate:g} -d {a.duration_s:g}{flags}`: "
-        "`minserve serve` with its defaults and `MINSERVE_SPANS` (minserve/spans.py), "
+        "`minserve serve` with its defaults and `MINSERVE_SPANS` (minserve/spans.py; the "
+        f"server said: {s['engine'].rstrip('.')}), "
         "side_by_side's chat-service workload from one streaming client without `user` "
         f"({rr.requests} requests, {rr.output_tokens} output tokens; 4 warm-up requests off "
         "the record). Each token after a request's first is charged the cycle of the tick "
