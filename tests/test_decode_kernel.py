@@ -100,7 +100,7 @@ def test_rms_norm_in_c_is_hf_llama_rms_norm():
 
 # -------------------------------------------------- a decode step of a few rows, all in C
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases
-@pytest.mark.parametrize("B", [1, 2])
+@pytest.mark.parametrize("B", [1, 3])
 def test_a_decode_step_in_c_is_the_compact_forward_of_those_rows(family, B):
     """`CompactLlama.decode_in_c` (every layer in one C call) computes what the compact
     forward's Python loop computes for the same rows: the logits to float rounding, and
@@ -114,7 +114,7 @@ def test_a_decode_step_in_c_is_the_compact_forward_of_those_rows(family, B):
     runner = CompactLlama(model, max_model_len=64, kernel=kernel)
     backends = [PagedBackend(model, BlockManager(16, 8, False), runner=runner, kernel=kernel)
                 for _ in range(2)]
-    tables = [[1, 2, 3], [4, 5, 6]][:B]
+    tables = [[1, 2, 3], [4, 5, 6], [7, 8, 9]][:B]
     g = torch.Generator().manual_seed(B)
     prompt = torch.randint(0, 256, (B, 13), generator=g)
     decode_ids = torch.randint(0, 256, (B, 1), generator=g)
@@ -135,7 +135,7 @@ def test_a_decode_step_in_c_is_the_compact_forward_of_those_rows(family, B):
 
 
 def test_the_serve_path_runs_its_small_steps_in_c_and_gives_hf_generate_tokens(tiny_model):
-    """Batches of one and two rows go through `decode_in_c` (prompt chunks and larger
+    """Batches of one to three rows go through `decode_in_c` (prompt chunks and larger
     batches through the Python loop) and every request still gets HF's greedy tokens."""
     engine = make_engine(tiny_model, backend="paged", model_runner="compact",
                          decode_attention="kernel", prefill_mode="mixed_batch",
@@ -146,7 +146,7 @@ def test_the_serve_path_runs_its_small_steps_in_c_and_gives_hf_generate_tokens(t
     prompts = [TINY_PROMPTS[i] for i in (2, 4, 6, 8)]  # 24, 12, 16, 20 tokens out
     handles = [engine.submit(p, SamplingParams(max_tokens=n)) for p, n in prompts]
     run_checked(engine)
-    assert set(calls) == {1, 2}  # steps of one and of two rows ran in C
+    assert set(calls) == {1, 2, 3}  # steps of one, two and three rows ran in C
     for (prompt, n), h in zip(prompts, handles):
         assert h.output.token_ids == hf_greedy(tiny_model, prompt, n), prompt
 

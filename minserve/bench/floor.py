@@ -28,7 +28,7 @@ tokens (a tick is what a token costs the engine: forward, sampling, bookkeeping)
     hf         Hugging Face's own step, the inner loop of static `generate`: its forward
                over its DynamicCache and an argmax (bench/overhead.py, `BareDecoder`)
 
-At one and two rows, where the serve path runs its C parts, two more engines of the
+At one and two rows, where the serve path runs all its C parts, two more engines of the
 serve path time what each part is worth, in the same rounds: `serve-onednn`, every
 matmul by oneDNN and every layer in Python (the serve path before them), and
 `serve-rows`, the matmuls of the few rows in C (`compact.Linear`) but the layers still

@@ -206,8 +206,8 @@ void rows_linear(const float *x, const float *W, const float *bias, int N, int O
 
 /* ---- 3. A whole decode step of a few rows ------------------------------------------
 
-   For the one or two rows of a small decode step (fast/compact.py, `decode_in_c`), every
-   decoder layer of the compact forward, written out. Why: at one or two rows a layer's
+   For the one to three rows of a small decode step (fast/compact.py, `decode_in_c`), every
+   decoder layer of the compact forward, written out. Why: at a few rows a layer's
    time is its 4 matmuls streaming the weights (2 above) plus, between them, some 25
    small PyTorch operators (two RMSNorms, RoPE, the KV write, softmax, SiLU, the residual
    adds, views and copies), each costing microseconds of dispatch for a few hundred
