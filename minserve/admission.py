@@ -14,6 +14,8 @@ Two modes, one contract (`EngineConfig.admission`, one object per engine):
       step adds to a row's R1
     make_room(s): start of T4    nothing: no row can run out     preempt the policy's victim
                                                                  until the step's tokens fit
+    reclaim(s, req): T1, shares  preempt borrowed rows (shares.py) so that a request whose
+      (H6), either mode          unit is owed a row fits: the same `preempt`, in both modes
 
 (*) so admitting a request never forces a preemption in the same tick.
 
@@ -31,7 +33,15 @@ counts blocks for what G2 counts, net of the blocks running rows will take
 
 T1 asks the mode whom to admit and what holds it (`choose`: the gates' `verdict` on the
 head, or on another session's request when the head's session or tenant holds its share,
-`share_hold`); explain.py asks the same two questions.
+`share_hold`); explain.py asks the same two questions. When a gate holds a request whose
+tenant (or session) is owed a row, T1 asks `reclaim` to take back what others borrowed.
+
+Taking back is preemption with recompute, in both modes, not swap: the row's KV is
+dropped and recomputed on re-admission (prompt + its tokens so far), because that needs
+no second memory tier and the stream already continues across it (`preempt`). Under
+reserve this is the one place a row is preempted: only a borrowed row (beyond its
+tenant's share, lent while nobody else wanted it) ever is; a row within its share keeps
+reserve's promise that it runs to the end.
 
 A mode holds no state: each method reads (and preempt changes) the scheduler `s` it is
 given, so a lab that swaps the scheduler's backend, block manager or gates changes what
@@ -42,6 +52,7 @@ subtractor of R1) and `_finish`, as eviction does.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from typing import Any
 
 from . import failures, shares
@@ -138,21 +149,121 @@ class Admission(ABC):
         rows = sum(r.session_id == req.session_id for r in running)
         return s.gates.session_cap_hold(req.session_id, rows, cap)
 
-    def choose(self, s, head: Request) -> tuple[Request, Rejection | None]:
+    def choose(self, s, head: Request, skip: Collection[str] = ()
+               ) -> tuple[Request, Rejection | None]:
         """Whom T1 admits next and the verdict on it: the policy's `head`, unless it could
         pass but its session or tenant holds its share (`share_hold`); then the first
         waiting request (in the policy's order) of one that does not, if any. Then the
         gates decide; a soft hold stops T1 there (G4), so nobody is admitted past it:
-        what bounds a waiting unit's wait (shares.py, "The bound")."""
-        rejection = self.verdict(s, head)
-        if rejection is not None and rejection.hard:
-            return head, rejection
-        book = self.book(s)
-        held = self.share_hold(s, head, book)
-        if held is None:
-            return head, rejection
-        other = next((r for r in s.policy if self.share_hold(s, r, book) is None), None)
+        what bounds a waiting unit's wait (shares.py, "The bound"). Requests in `skip`
+        (ids of rows taken back this tick, `reclaim`) are passed over, as if a share held
+        them: a row given back waits for the next tick."""
+        if head.request_id in skip:
+            book, held = self.book(s), Rejection(
+                gate="share", reason="taken_back", hard=False,
+                message="taken back this tick for a tenant under its share; it may be "
+                        "admitted again from the next tick")
+        else:
+            rejection = self.verdict(s, head)
+            if rejection is not None and rejection.hard:
+                return head, rejection
+            book = self.book(s)
+            held = self.share_hold(s, head, book)
+            if held is None:
+                return head, rejection
+        other = next((r for r in s.policy if r.request_id not in skip
+                      and self.share_hold(s, r, book) is None), None)
         return (head, held) if other is None else (other, self.verdict(s, other))
+
+    def kv_in_use(self, s, rows_less: int = 0, tokens_less: int = 0) -> int:
+        """The KV tokens G2 weighs a request's `need` against (`check_kv`), were `rows_less`
+        rows holding `tokens_less` tokens gone: what running rows reserved, plus (preempt)
+        the token each writes at the next decode."""
+        rows = len(s.prefilling) + len(s.active) - rows_less
+        return s.active_kv_reserved - tokens_less + self.per_decode * rows
+
+    def room_without(self, s, req: Request, rows: list[Request]) -> bool:
+        """Were `rows` gone, `req` would find a batch row and its KV (G2)."""
+        freed = sum(r.reserved_tokens for r in rows)
+        return (len(s.prefilling) + len(s.active) - len(rows) < s.config.max_batch_size
+                and self.kv_in_use(s, len(rows), freed) + self.need(req) <= s.kv_budget_tokens)
+
+    def reclaim(self, s, req: Request, rejection: Rejection | None) -> list[dict[str, Any]]:
+        """T1, shares on (H6): `req` is the request T1 chose and a gate soft-holds it
+        (`rejection`: a full batch, G2 or G3). If its tenant (or its session inside the
+        tenant) is owed a row, take back rows others borrowed: `shares.to_take_back`,
+        newest first, each preempted (`preempt`: recompute), until `req` passes the gates.
+
+        Only the fewest that make room for a batch row and for `req`'s KV (G2), and only if
+        some do; nothing when rows that have finished (evicted by this tick's T3, after
+        T1: T5) make that room already, so `req` is admitted at the next tick either way.
+        Otherwise nothing is taken and `req` waits for rows to end, as before. Returns the
+        preemptions (the admit record's `reclaimed`).
+        After: R1 holds (`preempt` gives back through `s._release`); no row within its
+        unit's share was touched, nor a row that has finished."""
+        if (rejection is None or rejection.hard or rejection.gate == "share"
+                or s.config.reclaim == "off"):
+            return []
+        book = self.book(s)
+        if book is None:
+            return []
+        leaving = [r for r in s.prefilling + s.active
+                   if r.finish_reason is not None or r.cancel_requested]
+        if leaving and self.room_without(s, req, leaving):
+            return []  # T3 frees the room this tick: admitted at the next, nothing taken
+        victims = [v for v in shares.to_take_back(book, req, self.need)
+                   if not any(v is r for r in leaving)]
+        k = next((k for k in range(1, len(victims) + 1)  # the fewest, newest first
+                  if self.room_without(s, req, leaving + victims[:k])), None)
+        out = []
+        for v in victims[:k or 0]:
+            who = shares.path(v)[0][0]
+            out.append({**self.preempt(s, v, f"taken back for {req.request_id}: {who!r} "
+                                             "held it beyond its share (H6)"),
+                        "for": req.request_id, "from_unit": who})
+            s.reclaimed_rows += 1
+            if self.verdict(s, req) is None:
+                break
+        return out
+
+    @staticmethod
+    def preempt(s, req: Request, why: str) -> dict[str, Any]:
+        """Send a running row back to `pending` (P6, and `reclaim` in either mode). Its
+        reservation and blocks go back through `s._release`, the same single subtractor as
+        eviction (R1); the policy re-queues it (`on_request_preempted`: FCFS by its old
+        key, the fair policy with its counter kept). On re-admission it prefills prompt +
+        the tokens it has produced so far (`prefill_token_ids`), then samples its next
+        token: the client's stream goes on. Returns what the decode record lists."""
+        queue = s.prefilling if any(r is req for r in s.prefilling) else s.active
+        held = (req.num_computed_prompt_tokens if queue is s.prefilling
+                else req.num_tokens - 1)  # KV it holds: all but the token not yet fed
+        bm = s.block_manager
+        blocks = len(bm.block_table(req.request_id)) if bm is not None else 0
+        if bm is not None and s.backend.kv_grows_in_pool and queue is s.active:
+            # its decoded tokens' full blocks become cache entries, so re-admission
+            # may find them instead of recomputing (the KV is in the pool)
+            bm.mark_computed(req.request_id, req.prompt_token_ids + req.output_token_ids, held)
+        released = s._release(req)
+        queue.remove(req)
+        req.kv_high_water = max(req.kv_high_water, held)
+        req.recompute_token_ids = list(req.output_token_ids)
+        req.num_computed_prompt_tokens = req.num_cached_tokens = 0
+        req.num_preemptions += 1
+        s.preemptions += 1
+        req.status = RequestStatus.PENDING
+        with s.queue_lock:
+            req.policy_running = False
+            try:
+                s.policy.on_request_preempted(req)
+            except Exception as e:  # it is in no queue now: end it rather than lose it
+                if any(r is req for r in s.policy):
+                    s.policy.remove(req)
+                failures.note_row_error(s, req, "on_request_preempted", e)
+                s._finish(req, FinishReason.ERROR, error=req.error)
+        return {"request_id": req.request_id, "from_queue": "prefilling" if queue is
+                s.prefilling else "active", "released_tokens": released,
+                "released_blocks": blocks, "tokens_so_far": len(req.output_token_ids),
+                "why": why}
 
     @abstractmethod
     def check_rows(self, s) -> None:
@@ -269,45 +380,6 @@ class PreemptAdmission(Admission):
             except Exception as e:
                 failures.note_hook_error(s, "choose_victim", e)
                 return max(running, key=lambda r: r.arrival_seq)
-
-    @staticmethod
-    def preempt(s, req: Request, why: str) -> dict[str, Any]:
-        """Send a running row back to `pending`. Its reservation and blocks go back
-        through `s._release`, the same single subtractor as eviction (R1); the policy
-        re-queues it (`on_request_preempted`: FCFS by its old key, the fair policy with
-        its counter kept). On re-admission it prefills prompt + the tokens it has produced
-        so far (`prefill_token_ids`), then samples its next token: the client's stream
-        goes on. Returns what the decode record lists."""
-        queue = s.prefilling if any(r is req for r in s.prefilling) else s.active
-        held = (req.num_computed_prompt_tokens if queue is s.prefilling
-                else req.num_tokens - 1)  # KV it holds: all but the token not yet fed
-        bm = s.block_manager
-        blocks = len(bm.block_table(req.request_id)) if bm is not None else 0
-        if bm is not None and s.backend.kv_grows_in_pool and queue is s.active:
-            # its decoded tokens' full blocks become cache entries, so re-admission
-            # may find them instead of recomputing (the KV is in the pool)
-            bm.mark_computed(req.request_id, req.prompt_token_ids + req.output_token_ids, held)
-        released = s._release(req)
-        queue.remove(req)
-        req.kv_high_water = max(req.kv_high_water, held)
-        req.recompute_token_ids = list(req.output_token_ids)
-        req.num_computed_prompt_tokens = req.num_cached_tokens = 0
-        req.num_preemptions += 1
-        s.preemptions += 1
-        req.status = RequestStatus.PENDING
-        with s.queue_lock:
-            req.policy_running = False
-            try:
-                s.policy.on_request_preempted(req)
-            except Exception as e:  # it is in no queue now: end it rather than lose it
-                if any(r is req for r in s.policy):
-                    s.policy.remove(req)
-                failures.note_row_error(s, req, "on_request_preempted", e)
-                s._finish(req, FinishReason.ERROR, error=req.error)
-        return {"request_id": req.request_id, "from_queue": "prefilling" if queue is
-                s.prefilling else "active", "released_tokens": released,
-                "released_blocks": blocks, "tokens_so_far": len(req.output_token_ids),
-                "why": why}
 
     def check_rows(self, s) -> None:
         """The KV each row holds after its last forward, within the budget."""

@@ -32,6 +32,7 @@ BUILT_MODE_BACKENDS = {(PrefillMode.MONOLITHIC, "padded"), (PrefillMode.MONOLITH
 POLICIES = ("fcfs", "fair")
 ADMISSIONS = ("reserve", "preempt")
 SHARES = ("off", "equal")
+RECLAIMS = ("recompute", "off")
 BACKENDS = ("padded", "paged")
 MODEL_RUNNERS = ("hf", "compact", "auto")
 DECODE_ATTENTIONS = ("torch", "kernel", "auto")
@@ -62,6 +63,12 @@ class EngineConfig:
     # "off": first come (or the fair policy's order) takes what the gates allow.
     # `minserve serve` sets "equal".
     shares: str = "off"
+    # H6, with shares="equal": what a unit holds beyond its share was lent; when a unit
+    # owed a row waits for a full batch or KV, "recompute" takes the borrowed rows back at
+    # once (preempted, newest first, recomputed on re-admission: shares.py, in every
+    # admission mode); "off" only holds the borrower's next requests back, so the
+    # newcomer waits until borrowed rows end (the behaviour before; for comparisons).
+    reclaim: str = "recompute"
 
     # --- policy (P) -------------------------------------------------------------
     policy: str = "fcfs"  # "fcfs" (P1) | "fair" (P2, VTC)
@@ -122,7 +129,7 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig: {msg}")
 
         for name, choices in (("dtype", DTYPES), ("policy", POLICIES), ("admission", ADMISSIONS),
-                              ("shares", SHARES),
+                              ("shares", SHARES), ("reclaim", RECLAIMS),
                               ("backend", BACKENDS), ("model_runner", MODEL_RUNNERS),
                               ("decode_attention", DECODE_ATTENTIONS),
                               ("cuda_graphs", CUDA_GRAPHS)):

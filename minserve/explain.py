@@ -16,6 +16,10 @@ Where a request can be, and what is said about it:
     any of those         preemptions so far and what re-admission will recompute;
                          under the fair policy its session's counter against the
                          lowest counter among waiting sessions (who goes next)
+    with shares (H6)     its tenant's share now and what it holds; a waiting request
+                         owed a row that others borrowed: "lent to X, being taken back"
+                         (at the next tick's T1); a borrowed row: that it is lent, and
+                         taken back when one under its share waits
     finished             its finish reason (kept for the last `Scheduler.RECENT` requests)
     unknown              never seen, or finished long ago
 
@@ -66,15 +70,15 @@ def explain(scheduler, request_id: str, others_private: bool = False) -> dict[st
             if s.remote is not None:  # disaggregated: where its prompt is
                 out["remote"] = _remote_view(s.remote, req)
                 out["sentence"] = out["remote"]["sentence"]
-            return _with_share(s, req, out)
+            return _with_share(s, req, out, others_private)
         if any(r is req for r in s.active):
             out["queue"] = "active"
             out["sentence"] = (f"running: {len(req.output_token_ids)} of at most "
                                f"{req.max_tokens} tokens generated; it holds "
                                f"{req.reserved_tokens} tokens of KV reservation"
                                + _preempted_note(req))
-            return _with_share(s, req, out)
-        return _with_share(s, req, _pending(s, req, out, others_private))
+            return _with_share(s, req, out, others_private)
+        return _with_share(s, req, _pending(s, req, out, others_private), others_private)
 
 
 def _remote_view(remote, req: Request) -> dict[str, Any]:
@@ -138,27 +142,49 @@ def _pending(s, req: Request, out: dict[str, Any], others_private: bool) -> dict
     return out
 
 
-def _with_share(s, req: Request, out: dict[str, Any]) -> dict[str, Any]:
+def _with_share(s, req: Request, out: dict[str, Any], others_private: bool = False
+                ) -> dict[str, Any]:
     """With shares (H6): the request's tenant (session) share now, what it holds, whether
-    it borrows and whether its share holds this request back, in `share` and the sentence."""
+    it borrows and whether its share holds this request back, in `share` and the sentence.
+    A waiting request owed a row that a gate holds: who the rows it needs are lent to,
+    being taken back (`taking_back`; "another tenant" when `others_private`). A running
+    row beyond its tenant's share: that it is lent, and taken back when one is owed it."""
     book = s.admission.book(s)
     if book is None:
         return out
     n = shares.path(req)[0]
     rows, kv = book.share(n)
-    held = req.status.value == "pending" and shares.holds(book, req, s.admission.need) is not None
+    pending = req.status.value == "pending"
+    held = pending and shares.holds(book, req, s.admission.need) is not None
     who = "tenant" if req.tenant is not None else "session"
+    lent = [r for r in book.borrowed(n)]
     out["share"] = {"unit": who, "rows": book.rows[n], "share_rows": round(rows, 2),
                     "kv": book.kv[n], "share_kv": round(kv, 2),
                     "contenders": len(book.siblings.get((), [])),
-                    "borrowing": book.rows[n] > rows or book.kv[n] > kv, "held_back": held}
+                    "borrowing": bool(lent), "borrowed_rows": len(lent), "held_back": held}
     note = (f"; your {who}'s share now: {rows:g} of {s.config.max_batch_size} rows and "
             f"{kv:g} of {s.kv_budget_tokens} KV tokens ({out['share']['contenders']} "
             f"{who}s want them); it holds {book.rows[n]} rows and {book.kv[n]} KV tokens")
-    if out["share"]["borrowing"]:
+    if any(r is req for r in lent):
+        note += ("; this row is lent to your " + who + " (beyond its share, while nobody "
+                 "else wants it): it is taken back (preempted, recomputed later) when one "
+                 "under its share waits")
+    elif lent:
         note += ": borrowing what nobody else wants now, given back first when someone waits"
     if held:
         note += "; its share holds this request back while one under its share waits"
+    gate = (out.get("held_by") or {}).get("gate")
+    if pending and not held and gate in ("batch", "G2", "G3") and s.config.reclaim != "off" \
+            and s.admission.choose(s, next(iter(s.policy)))[0] is req:  # T1's next choice
+        back = shares.to_take_back(book, req, s.admission.need)
+        if back:
+            lenders = sorted({shares.path(r)[0][0] for r in back})
+            names = (f"another {who}" if len(lenders) == 1 else f"{len(lenders)} other {who}s") \
+                if others_private else ", ".join(lenders)
+            out["taking_back"] = {"from": [] if others_private else lenders, "rows": len(back)}
+            note += (f"; the room it needs is lent to {names}, being taken back: at the "
+                     "next tick the borrowed rows are preempted, newest first, and it is "
+                     "admitted")
     out["sentence"] += note
     return out
 

@@ -25,6 +25,9 @@ class AdmitRecord:
     rejected: list[dict[str, Any]] = field(default_factory=list)  # {request_id, rejection}
     cancelled: list[str] = field(default_factory=list)  # dropped from pending after a cancel
     failed: list[dict[str, Any]] = field(default_factory=list)  # {request_id, error}: admission raised
+    # shares (H6): borrowed rows taken back (preempted) so that a request owed a row fits;
+    # each as DecodeRecord.preempted's, plus {for: the request it made room for, from_unit}
+    reclaimed: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -155,6 +158,7 @@ def stats(s) -> dict[str, Any]:
         "prompt_tokens_computed": s.prompt_tokens_computed,
         "admission": s.config.admission,
         "preemptions": s.preemptions,
+        "reclaimed_rows": s.reclaimed_rows,  # of those, borrowed rows taken back (H6)
         "recomputed_tokens": s.recomputed_tokens,
         "kv_length": s.kv_length_metric,  # read under the tick lock, by T4
         "backend": s.backend.name,

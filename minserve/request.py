@@ -192,6 +192,9 @@ class RequestOutput:
     timing: dict[str, Any] = field(default_factory=dict)
     num_preemptions: int = 0  # what it cost beyond one pass: a server's usage per tenant
     num_recomputed_tokens: int = 0
+    # prompt tokens whose KV was computed or found in the prefix cache: all of them once
+    # it ran, 0 for a request that ended (cancelled, refused) before admission
+    num_prompt_tokens_processed: int = 0
 
     @classmethod
     def from_request(cls, req: Request, text: str) -> RequestOutput:
@@ -201,4 +204,6 @@ class RequestOutput:
                    rejection=req.rejection.to_dict() if req.rejection else None,
                    num_cached_tokens=req.num_cached_tokens, timing=req.timing.to_dict(),
                    num_preemptions=req.num_preemptions,
-                   num_recomputed_tokens=req.num_recomputed_tokens)
+                   num_recomputed_tokens=req.num_recomputed_tokens,
+                   num_prompt_tokens_processed=min(req.prompt_len, max(
+                       req.kv_high_water, req.num_computed_prompt_tokens)))

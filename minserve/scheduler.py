@@ -101,7 +101,8 @@ class Scheduler:
         self.kv_length_metric = 0  # the backend's kv_length after the last decode step
         self.tokens_generated = 0
         self.prompt_tokens_computed = 0
-        self.preemptions = 0  # rows sent back to pending (admission="preempt")
+        self.preemptions = 0  # rows sent back to pending (admission="preempt", or taken back)
+        self.reclaimed_rows = 0  # of those, borrowed rows taken back for a unit owed a row (H6)
         self.recomputed_tokens = 0  # tokens whose KV was computed again after a preemption
         # what `explain` says about the newest finished requests (request id -> summary)
         self.recent_finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -207,21 +208,33 @@ class Scheduler:
 
         Peek the policy's head; `admission.choose` runs the gates on it (a batch row,
         G2's KV and G3's blocks, with the numbers the mode states) and, when its session
-        or tenant already holds its share (`max_rows_per_session`, `max_tenant_kv_share`),
-        takes the first waiting request of another session instead. Pass -> pick it,
-        reserve its KV (`admission.reserve`, R1), allocate its blocks (cached prefix
-        reused, K2) and open its staging row. Soft hold -> stop; the head keeps its place
-        (G4). Hard reject -> finish it with the gate's reason (G6) and look at the next.
+        or tenant already holds its share (shares.py, or the fixed caps), takes the first
+        waiting request of another session instead. Pass -> pick it, reserve its KV
+        (`admission.reserve`, R1), allocate its blocks (cached prefix reused, K2) and open
+        its staging row. Soft hold -> if its tenant (session) is owed a row and others
+        hold borrowed rows, take them back (`admission.reclaim`: preempted, newest first,
+        H6) and look again; else stop, the head keeping its place (G4). Hard reject ->
+        finish it with the gate's reason (G6) and look at the next. A row taken back is
+        not admitted again in the same tick (so taking back can never loop).
 
         After: R1 holds; every admitted request is PREFILLING with
-        num_computed_prompt_tokens == num_cached_tokens.
+        num_computed_prompt_tokens == num_cached_tokens; no row within its unit's share
+        was taken back.
         """
         rec = AdmitRecord()
+        taken_back: set[str] = set()  # rows reclaimed this tick: they wait for the next
         with self.lock, self.queue_lock:
             while (head := failures.policy_call(self, "peek_next")) is not None:
-                req, rejection = self.admission.choose(self, head)  # head, or another's
+                # head, or another's; never a row taken back this tick
+                req, rejection = self.admission.choose(self, head, skip=taken_back)
                 if req is not head and "share" in self.kv_admit_blocked:
                     self.kv_admit_blocked["share"] += 1  # a share held the head back (H6)
+                if rejection is not None and not rejection.hard:
+                    reclaimed = self.admission.reclaim(self, req, rejection)  # H6
+                    if reclaimed:
+                        rec.reclaimed += reclaimed
+                        taken_back.update(p["request_id"] for p in reclaimed)
+                        continue  # look again: `req` (or one ahead of it) fits now
                 if rejection is not None and not rejection.hard:  # G4: it keeps its place
                     self.kv_admit_blocked[rejection.gate] += 1
                     rec.held = {"request_id": req.request_id, "rejection": rejection.to_dict()}

@@ -1,4 +1,4 @@
-"""Shares: what each tenant may hold of what is contended, and when it is lent (SPEC H6).
+"""Shares: what each tenant may hold of what is contended, lent and taken back (SPEC H6).
 
 A server a class shares has four things its users contend for: batch rows, the KV
 budget (G2), places in the pending queue (G1) and the prompt tokens of one tick (C1).
@@ -9,37 +9,58 @@ allocation weighted fair queueing and VTC converge to):
     who        the tenants with a request waiting or running now (without keys, the
                sessions): the "contenders"; inside a tenant, its sessions again
     how much   an equal part: 64 rows between 2 tenants, 32 each; a tenant's 32 split
-               again between its sessions that want rows
+               again between its sessions that want rows (at least one row each)
     lent       a share nobody else wants is lent: one client alone fills the batch
-    given back a unit (tenant, or a session inside one) above its share admits nothing
-               new while a sibling under its share waits (`hold`); under
-               admission="preempt" its rows are the first victims (`first_victims`),
-               and what its rows grow after admission counts against it
+    held back  a unit (tenant, or a session inside one) beyond its share admits nothing
+               new while a sibling that is owed a row waits (`holds`)
+    taken back a waiting unit that is owed a row (`Book.owed`: one more row of its
+               request still fits its share) and is held by a gate takes the row
+               back: the borrowers' rows beyond their share (`borrowed`) are preempted,
+               newest first, until its request fits (`to_take_back`,
+               `Admission.reclaim`, in T1; recompute: the row goes back to pending and
+               recomputes its prompt and tokens on re-admission, its stream going on)
 
     rows  alice ██████████████████████████████████████████ 40, share 32: borrowing 8
-          bob   ██████                                     6, waiting: alice admits
-                                                              nothing new until bob is in
+          bob   ░                                          0, waiting, owed a row
+          -> T1 preempts alice's newest row and admits bob's request, in the same tick
 
 Why shares and not fixed caps (`max_rows_per_session`, `max_tenant_kv_share`): a cap
 holds a lone client to 4 rows of 64 while 60 sit empty, and a tenant that invents
 sessions walks past a per-session cap; a share depends on who is there now.
 
-The bound a waiting unit gets (docs/security.md, docs/gates.md). Once a request of a
-unit under its share is the one T1 chooses (the first, in the policy's order, that no
-share holds back), nothing else is admitted until it is: the gates soft-hold it and T1
-stops there (G4). So it waits at most until the rows running then have finished, or,
-under preempt, finished or been preempted: at most one row's lifetime,
+What is borrowed. A unit's running rows in the order they were admitted: the first
+ones, while they fit its share of rows (at least one) and of KV, are its own; the rest
+are borrowed, and so is a row that alone reserves more KV than the share (a request
+beyond a tenant's share runs only on what is lent, so legal requests lock nobody out).
+Only borrowed rows are ever taken back, and only for a unit that is owed a row: what a
+borrower gives back is its own over-share, never a row within anyone's share.
+
+The bound a waiting unit gets (docs/security.md, docs/gates.md). When its request is
+the one T1 chooses (the first, in the policy's order, that no share holds back) and a
+gate holds it, T1 takes back borrowed rows at once, in that tick, if that makes it fit
+(never a row that has finished: T3 evicts those after T1, and when they make the room it
+waits that one tick): it is admitted in the first tick after it arrived (the second at
+most), and streams its first token when
+its prefill is done (a short prompt: in that tick; in all, ceil(P / c) ticks, c its
+part of the tick's prompt tokens). If nothing is borrowed (every unit holds at most its
+share; e.g. more tenants than rows), it waits for a row to end, as before: at most one
+row's lifetime,
 
     L = ceil(P / chunk) + M ticks      P, M: the largest prompt and max_tokens a row may
                                        have (max_request_kv_share bounds P + M)
 
-because a request that could never fit alone was refused (hard) at submit or admit.
+because nothing else is admitted before it (G4: the gates soft-hold it and T1 stops
+there) and a request that could never fit alone was refused (hard) at submit or admit.
 Under the fair policy a newcomer's counter is lifted to the least waiting one (P4),
 so its request is the first of a unit under its share from its arrival unless another
-such unit's request ties with it and arrived earlier.
+such unit's request ties with it and arrived earlier (it then takes back its rows in
+the same T1).
 
-Invariant (liveness): a unit that holds no row is never above its share, so when
-nothing runs nothing is held by a share and the head is admitted as before.
+Invariant (liveness): when nothing runs, every unit holds nothing; a request that fits
+its share (at each level) is then held by nobody, and one that does not is held only
+while such a request waits, so something is always admitted. Taking back never loops:
+a unit owed a row, once admitted, holds no borrowed row, and a row taken back in a
+tick is not admitted again in that tick (`Scheduler.admit_pending`).
 Pure functions of the queues they are given, like the gates: nothing here changes the
 scheduler; `Book` is counted afresh for each decision.
 """
@@ -73,6 +94,7 @@ class Book:
 
     rows[n], kv[n]      batch rows and KV reserved (R1: what rows hold now, so under
                         preempt what they grew since admission too) by unit `n`
+    running[n]          those rows, in the order they were admitted
     siblings[parent]    the contending units under `parent` (() for the top level)
     first[n]            the first waiting request of `n` in the policy's order
     """
@@ -81,6 +103,7 @@ class Book:
     kv_total: int
     rows: Counter = field(default_factory=Counter)
     kv: Counter = field(default_factory=Counter)
+    running: dict[Node, list[Request]] = field(default_factory=dict)
     siblings: dict[Node, list[Node]] = field(default_factory=dict)
     first: dict[Node, Request] = field(default_factory=dict)
 
@@ -88,10 +111,11 @@ class Book:
     def count(cls, running: list[Request], waiting: list[Request], rows_total: int,
               kv_total: int) -> Book:
         b = cls(rows_total, kv_total)
-        for r in running:
+        for r in sorted(running, key=admitted_order):
             for n in path(r):
                 b.rows[n] += 1
                 b.kv[n] += r.reserved_tokens
+                b.running.setdefault(n, []).append(r)
                 b._contend(n)
         for r in waiting:  # in the policy's order
             for n in path(r):
@@ -117,24 +141,44 @@ class Book:
         p = self.part(n)
         return p * self.rows_total, p * self.kv_total
 
-    def over(self, n: Node, need: int) -> bool:
-        """Admitting one more row of `need` KV tokens would take `n` past its share. A
-        unit holding no row is never over (a request alone always fits: G2's hard check)."""
+    def owed(self, n: Node, need: int) -> bool:
+        """One more row of `need` KV tokens still fits `n`'s share: its rows + 1 within
+        its share of rows (at least one row: with more tenants than rows each may run
+        one) and its KV + `need` within its share of KV. A unit owed a row goes before
+        those beyond their share, and may take back what they borrowed."""
         rows, kv = self.share(n)
-        return self.rows[n] > 0 and (self.rows[n] + 1 > rows or self.kv[n] + need > kv)
+        return self.rows[n] + 1 <= max(1.0, rows) and self.kv[n] + need <= kv
+
+    def borrowed(self, n: Node) -> list[Request]:
+        """`n`'s rows beyond its share, newest first: in the order they were admitted,
+        the rows after the first max(1, share of rows), and every row from the one that
+        takes its KV past its share of KV on."""
+        rows, kv = self.share(n)
+        out, held = [], 0
+        for i, r in enumerate(self.running.get(n, ()), 1):
+            held += r.reserved_tokens
+            if i > max(1.0, rows) or held > kv:
+                out.append(r)
+        return out[::-1]
+
+
+def admitted_order(req: Request) -> tuple[float, int]:
+    """The order rows were admitted in (the stamp T1 gives; a row preempted and admitted
+    again counts from its new admission)."""
+    return (req.timing.admitted or 0.0, req.arrival_seq)
 
 
 def holds(book: Book, req: Request, need_of) -> Rejection | None:
-    """A share holds `req` back (soft) when admitting it would take one of its units
-    past that unit's share while a sibling unit under its share waits (its first waiting
-    request would fit in its share). `need_of(r)`: the KV tokens admitting `r` reserves
+    """A share holds `req` back (soft) when one more row of it does not fit one of its
+    units' share (`Book.owed`) while a sibling unit that is owed a row waits (its first
+    waiting request fits its share). `need_of(r)`: the KV tokens admitting `r` reserves
     (`Admission.need`). Outermost level first: tenants, then sessions inside one."""
     for n in path(req):
-        if not book.over(n, need_of(req)):
+        if book.owed(n, need_of(req)):
             continue
         for sib in book.siblings.get(n[:-1], ()):
             w = book.first.get(sib)
-            if sib != n and w is not None and not book.over(sib, need_of(w)):
+            if sib != n and w is not None and book.owed(sib, need_of(w)):
                 rows, kv = book.share(n)
                 level = "tenant" if len(n) == 1 and req.tenant is not None else "session"
                 return Rejection(
@@ -149,10 +193,26 @@ def holds(book: Book, req: Request, need_of) -> Rejection | None:
     return None
 
 
+def to_take_back(book: Book, req: Request, need_of) -> list[Request]:
+    """The rows a waiting `req` may take back, in the order to take them: at the
+    outermost level where its unit is owed a row (`Book.owed`), the borrowed rows of its
+    sibling units (`Book.borrowed`), newest first. Never a row of its own unit, never a
+    row within its unit's share: only over-share (SPEC H6)."""
+    for n in path(req):
+        if not book.owed(n, need_of(req)):
+            continue
+        rows = [r for sib in book.siblings.get(n[:-1], ()) if sib != n
+                for r in book.borrowed(sib)]
+        if rows:
+            return sorted(rows, key=admitted_order, reverse=True)
+    return []
+
+
 def first_victims(book: Book, running: list[Request]) -> list[Request]:
-    """Under admission="preempt", the rows to preempt first: those of the unit furthest
-    above its KV share (what it holds over what it may hold), then of its session
-    furthest above its own; all `running` if no unit is above its share."""
+    """Under admission="preempt", the rows to preempt first when decode runs out of KV:
+    those of the unit furthest above its KV share (what it holds over what it may hold),
+    then of its session furthest above its own; all `running` if no unit is above its
+    share."""
     pool, level = running, ()
     while True:
         units = {n[:len(level) + 1] for r in pool for n in path(r) if len(n) == len(level) + 1}
@@ -225,12 +285,14 @@ def split_prompt_tokens(reqs: list[Request], wants: list[int], budget: int) -> l
 
 def table(book: Book, held: set[Node]) -> dict[str, dict[str, Any]]:
     """Stats (G5) and the stepper: per top-level unit, what it holds, its share now,
-    whether it borrows (holds more than its share) and whether a share holds it back."""
+    how many of its rows are borrowed (beyond its share, `Book.borrowed`) and whether a
+    share holds it back."""
     out = {}
     for n in book.siblings.get((), []):
         rows, kv = book.share(n)
+        lent = len(book.borrowed(n))
         out[n[0]] = {"rows": book.rows[n], "share_rows": round(rows, 2), "kv": book.kv[n],
                      "share_kv": round(kv, 2), "waiting": n in book.first,
-                     "borrowing": book.rows[n] > rows or book.kv[n] > kv,
+                     "borrowing": lent > 0, "borrowed_rows": lent,
                      "held_back": n in held}
     return out

@@ -75,13 +75,16 @@ def main(argv: list[str]) -> int:
         seconds = time.perf_counter() - t0
         print(f"{path.relative_to(ROOT)}: {seconds:.1f} s, {path.stat().st_size / 1024:.0f} KB")
         if times_wanted and path.parent == NOTEBOOKS and path.name[:2].isdigit():
-            times[f"notebooks.{path.name[:2]}.run_s"] = (round(seconds, 1), load)
+            times[f"notebooks.{path.name[:2]}.run_s"] = (round(seconds, 1), load,
+                                                         os.getloadavg()[0])
     sys.path.insert(0, str(ROOT))
-    from minserve.figures import record
+    from minserve.figures import conditions_of, record
 
-    for name, (seconds, load) in times.items():
+    for name, (seconds, load, load_end) in times.items():
+        # notebooks/README.md says beside each time what machine it was taken on
         record({name: seconds}, source=f"scripts/refresh_notebooks.py ({os.cpu_count()} CPUs, "
-                                       f"load average {load:.1f} at the start)")
+                                       f"load average {load:.1f} at the start)",
+               conditions=conditions_of(load, load_end, os.cpu_count() or 1))
     return 0
 
 

@@ -54,6 +54,14 @@ def tests_write_no_tracked_file():
 
 
 CHROMIUM = Path("/usr/bin/chromium")
+# Every test this session collected, before -m / -k deselect any: tests/test_page_figures.py
+# counts a test file's tests from it instead of a second `pytest --collect-only`.
+COLLECTED = pytest.StashKey[list]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    config.stash[COLLECTED] = [item.nodeid for item in items]
 
 
 def pytest_terminal_summary(terminalreporter):

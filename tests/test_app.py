@@ -522,3 +522,42 @@ def test_the_demo_caps_no_session_under_fcfs_unless_told_to():
     assert cfg(["--policy", "fcfs", "--max-rows-per-session", "8"]).max_rows_per_session == 8
     assert cfg(["--policy", "fcfs"], {"MINSERVE_MAX_ROWS_PER_SESSION": "3"}
                ).max_rows_per_session == 3
+
+
+def test_a_tab_refused_by_g1_is_in_the_table_and_the_page_gives_one_refusal_count(chat_model):
+    """A tab whose only request G1 refused has its row, with its refusal; and the summary's
+    refusals (summed by gate), the table's column and the flood's line are one count, read
+    from one snapshot (they once read 15, 16 and 17 at the same moment)."""
+    import asyncio
+
+    from minserve.chat.logic import ChatApp
+
+    engine = Engine(EngineConfig(device="cpu", policy="fair", max_batch_size=1,
+                                 max_queue_size=2), model=chat_model[0], tokenizer=chat_model[1])
+    app = ChatApp(engine)
+    panel = chat_demo.LivePanel(app, ttl=0.0)
+    try:
+        engine.stop()  # the worker paused: the flood fills the queue and it stays full
+        app.noisy.start(6, 6, 8, 30)
+        assert wait_for(lambda: app.noisy.counts["sent"] >= 4)  # two queued, the rest refused
+        tab = _Tab("refused-tab")
+
+        async def one_turn():
+            assert app.take("Are you there?", tab)[0]
+            return [o async for o in app.reply([], 0.0, 8, tab)]
+
+        assert "refused by G1" in asyncio.run(one_turn())[-1][1]
+        summary, rows, *_, flood = panel.render("user-refuse")
+        table = {r[0].removesuffix(" (you)"): r for r in rows}
+        assert table["user-refuse"][3:6] == [0, 0, 1], table  # done 0, tokens 0, refused 1
+        refused = re.search(r"refused: ([^·\n]*)", summary)[1]
+        total = sum(int(n) for n in re.findall(r"G\d (\d+)", refused))
+        assert total == sum(r[5] for r in rows) >= 2, (summary, rows)
+        assert f"refused {table[NOISY_SESSION][5]} " in flood, (flood, rows)
+        # the book alone moving (the engine paused, its stats still) redraws the table
+        app.book.sent("user-latecomer")
+        assert any(r[0] == "user-latecomer" for r in panel.render("x")[1])
+    finally:
+        app.noisy.stop()
+        engine.start()
+        app.close()

@@ -116,6 +116,10 @@ def test_reply_streams_into_the_page_beside_the_live_panel(page_url, browser, tm
     assert vtc["x"] + vtc["width"] <= box["x"] + box["width"] + 1, (vtc, box)
 
     img.mkdir(parents=True, exist_ok=True)
+    # the refused Enter's notice (a toast) would cover the panel in the docs' pictures
+    for close in page.locator(".toast-close").all():
+        close.click()
+    page.wait_for_function("!document.querySelector('.toast-body')", timeout=15_000)
     page.screenshot(path=str(img / "app.png"), full_page=True)
     for tab, name in (("KV blocks", "app_kv.png"), ("Fairness", "app_fairness.png")):
         page.get_by_role("tab", name=tab).click()

@@ -302,7 +302,8 @@ def test_bench_help_shows_every_default(capsys):
 
 # ============================================================== one command per table
 ROOT = Path(__file__).resolve().parents[1]
-COMMAND = re.compile(r"`((?:minserve bench|make peers-bench|bash scripts/gpu_check\.sh)[^`]*)`")
+COMMAND = re.compile(r"`(?:\.venv/bin/)?((?:minserve bench|make peers-bench|bash scripts/gpu_check\.sh)"
+                     r"[^`]*)`")
 
 
 def bench_parser():

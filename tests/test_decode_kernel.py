@@ -194,24 +194,27 @@ def test_kernel_on_smollm2_gives_hf_generate_tokens(real_model, real_oracle):
 
 
 @pytest.mark.real_model
-def test_serve_path_steps_of_one_and_two_rows_on_smollm2_give_hf_generate_tokens(real_model,
-                                                                               real_oracle):
-    """`minserve serve`'s path on the real model where a lone stream runs: steps of one
-    and two rows, every layer in C (`decode_in_c`), token for token HF's."""
+def test_serve_path_steps_of_one_to_three_rows_on_smollm2_give_hf_generate_tokens(real_model,
+                                                                                 real_oracle):
+    """`minserve serve`'s path on the real model where a lone stream or a few run: steps
+    of one, two and three rows (`CompactLlama.STEP_IN_C_ROWS`), every layer in C
+    (`decode_in_c`), token for token HF's. The fourth prompt waits for a row, so steps of
+    three rows, then two, then one all run."""
     model, tokenizer = real_model
     engine = make_engine(model, tokenizer, backend="paged", model_runner="compact",
-                         decode_attention="kernel", max_batch_size=2)
+                         decode_attention="kernel", max_batch_size=3)
     runner, calls = engine.scheduler.backend.runner, []
     real = runner.decode_in_c
     runner.decode_in_c = lambda ids, *a: calls.append(ids.shape[0]) or real(ids, *a)
     prompts = [tokenizer(t)["input_ids"] for t in (
         "The three primary colours are", "import numpy as np\n\ndef mean(xs):",
-        "In 1969, the first people to walk on the Moon")]
+        "In 1969, the first people to walk on the Moon", "Water boils at")]
+    lengths = (20, 9, 14, 6)
     handles = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True))
-               for p, n in zip(prompts, (20, 9, 14))]
+               for p, n in zip(prompts, lengths)]
     run_checked(engine)
-    assert set(calls) == {1, 2}
-    for p, h, n in zip(prompts, handles, (20, 9, 14)):
+    assert set(calls) == {1, 2, 3}
+    for p, h, n in zip(prompts, handles, lengths):
         assert h.output.token_ids == real_oracle(p, n)
 
 

@@ -36,6 +36,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 TICK_FLOOR_S = 0.01  # each forward of the stand-in model takes at least this long
 PROJECTOR = {"width": 1280, "height": 720}
 MIN_CARD_FONT_PX = 12  # legible from the back of a room at 1280x720
+MIN_TITLE_PX = 14  # a figure's subplot titles, at 1280x720
 
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(),
                                 reason="needs Debian's chromium at /usr/bin/chromium: "
@@ -209,6 +210,25 @@ def sessions_table(page) -> list[list[str]]:
         .filter(r => r.length > 1)""")
 
 
+def table_row(page, session: str) -> list[str] | None:
+    return next((r for r in sessions_table(page) if r and r[0] == session), None)
+
+
+def refusal_counts(page) -> dict:
+    """The refusals the page shows, read in one go (no update can land in between): the
+    table's column per session, the summary's total over its gates, the flood's line."""
+    got = page.evaluate("""() => ({
+        rows: [...document.querySelectorAll('#sessions [role=row]')]
+            .map(r => [...r.querySelectorAll('[role=gridcell]')].map(c => c.innerText.trim()))
+            .filter(r => r.length),
+        summary: document.querySelector('#summary').innerText,
+        flood: document.querySelector('#flood').innerText})""")
+    refused = re.search(r"refused: ([^·\n]*)", got["summary"])[1]
+    return {"table": {r[0].removesuffix(" (you)"): int(r[5]) for r in got["rows"]},
+            "summary": sum(int(n) for n in re.findall(r"G\d (\d+)", refused)),
+            "flood": int(re.search(r"refused (\d+)", got["flood"])[1])}
+
+
 def svg_lines(page) -> list[str]:
     """The visible plot's annotations, each as one line of text (its lines joined)."""
     return page.evaluate("""() => {
@@ -379,6 +399,14 @@ def test_step_5_a_full_queue_and_a_message_that_can_never_fit_say_so(apps, brows
         if said[-1].startswith(NOTICE.strip()):
             break
     assert said[-1] == NOTICE + g1, (g1, said)
+    # the tab whose requests were all refused is in the table, with its refusals; and at
+    # one moment the table, the summary and the flood's line give one refusal count
+    me = re.search(r"(user-\w+)", status(page))[1]
+    assert wait_until(lambda: (row := table_row(page, me + " (you)")) and int(row[5]) >= 1, 15), \
+        sessions_table(page)
+    counts = refusal_counts(page)
+    assert counts["summary"] == sum(counts["table"].values()) > 0, counts
+    assert counts["flood"] == counts["table"][NOISY_SESSION], counts
     stop_flood(page, engine)
     page.close()
 
@@ -443,7 +471,10 @@ def test_step_7_the_panel_shows_the_stats_three_figures_and_what_the_ids_mean(ap
 # ------------------------------------------------------------------ readable on a projector
 def test_queue_cards_at_1280x720_keep_their_text_inside_and_large(apps, browser, tmp_path):
     """The Queues tab on a projector: every line of a card's text inside the card, at
-    least MIN_CARD_FONT_PX (it was 9 px, and 'prompt 45 (16 cached)' ran past its card)."""
+    least MIN_CARD_FONT_PX (it was 9 px, and 'prompt 45 (16 cached)' ran past its card);
+    the first screen, unscrolled, shows the first two cards of each queue (they were below
+    the sessions table, off the screen); the Fairness tab's subplot titles are at least
+    MIN_TITLE_PX and inside their figure (they were 11 px)."""
     import os
 
     url, engine, _ = apps({})
@@ -463,11 +494,48 @@ def test_queue_cards_at_1280x720_keep_their_text_inside_and_large(apps, browser,
             px: parseFloat(getComputedStyle(t).fontSize)}));
         return {cards, texts};
     }""")
-    img = Path(os.environ.get("MINSERVE_SCREENSHOT_DIR") or tmp_path)
+    img = Path(os.environ.get("MINSERVE_SCREENSHOT_DIR") or tmp_path)  # make screenshots
     img.mkdir(parents=True, exist_ok=True)
-    page.locator(".tabs").first.screenshot(path=str(img / "app_queues_1280.png"))
+    page.locator(".tabs").first.screenshot(path=str(tmp_path / "app_queues_1280.png"))
+    first = page.evaluate("""async () => {
+        window.scrollTo(0, 0);
+        await new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
+        const plot = [...document.querySelectorAll('.tabs .js-plotly-plot')]
+            .find(p => p.offsetParent !== null);
+        const boxes = [...plot.querySelectorAll('.shapelayer path')]
+            .map(p => p.getBoundingClientRect()).filter(b => b.width > 40 && b.height > 40);
+        return {scrolled: window.scrollY, height: window.innerHeight,
+                cards: boxes.map(b => [Math.round(b.left), Math.round(b.top),
+                                       Math.round(b.bottom)])};
+    }""")
+    page.screenshot(path=str(img / "app_first_screen_1280.png"))
+    page.get_by_role("tab", name="Fairness").click()
+    assert wait_until(lambda: any("VTC counter" in line for line in svg_lines(page)), 20)
+    titles = page.evaluate("""() => {
+        const plot = [...document.querySelectorAll('.tabs .js-plotly-plot')]
+            .find(p => p.offsetParent !== null);
+        const outer = plot.getBoundingClientRect();
+        return [...plot.querySelectorAll('.annotation text')].map(t => {
+            const b = t.getBoundingClientRect();
+            return {text: t.textContent, px: parseFloat(getComputedStyle(t).fontSize),
+                    inside: b.left >= outer.left - 1 && b.right <= outer.right + 1};
+        });
+    }""")
+    page.locator(".tabs").first.screenshot(path=str(tmp_path / "app_fairness_1280.png"))
     stop_flood(page, engine)
     page.close()
+    # two cards of each queue the flood fills (pending, active) wholly on the first screen
+    columns: dict[int, list] = {}
+    for left, top, bottom in first["cards"]:
+        columns.setdefault(left, []).append((top, bottom))
+    assert first["scrolled"] == 0 and len(columns) >= 2, first
+    for left, cards in columns.items():
+        on_screen = [c for c in sorted(set(cards)) if 0 <= c[0] and c[1] <= first["height"]]
+        assert len(on_screen) >= 2, (left, sorted(set(cards)), first["height"])
+    subplot = [t for t in titles if t["text"].startswith(("service received", "VTC counter",
+                                                          "requests waiting"))]
+    assert len(subplot) >= 2, titles
+    assert all(t["px"] >= MIN_TITLE_PX and t["inside"] for t in subplot), subplot
     card_texts = [t for t in found["texts"] if "req-" in t["text"]]
     assert len(card_texts) >= 7, found["texts"]
     small = [(t["text"], t["px"]) for t in found["texts"] if t["px"] < MIN_CARD_FONT_PX]

@@ -69,9 +69,16 @@ def test_every_lesson_is_in_the_docs_lists_of_lessons(page):
     assert not missing, f"{page} does not list {missing}"
 
 
+def marked(name: str) -> list[int]:
+    """Every number the prose marks as the figure `name` (`8<!-- fig:count.lessons -->`)."""
+    return [int(m["num"]) for path in PROSE for m in figures.MARKED.finditer(read(path))
+            if m["name"] == name]
+
+
 def test_the_counts_of_lessons_and_labs_are_the_files_there():
     lessons = [n for f, n in counted("(?:short\\s+)?notebooks") + counted("lessons")]
-    labs = [n for f, n in counted("(?:classroom\\s+)?labs")]
+    lessons += marked("count.lessons")
+    labs = [n for f, n in counted("(?:classroom\\s+)?labs")] + marked("count.labs")
     assert lessons and all(n == len(LESSONS) for n in lessons), (lessons, LESSONS)
     assert labs and all(n == len(LABS) for n in labs), (labs, LABS)
     teaching = read(ROOT / "docs" / "teaching.md")

@@ -4,11 +4,23 @@ line that is wrong and no character of any key; `minserve keys new` makes strong
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
+import httpx
 import pytest
 
 from minserve.__main__ import main
 from minserve.server.keys import KeyRing, load_api_keys
+
+from .test_server import wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
 
 GOOD = "Q7fK2pX9vL3mT8wRz4Yc"
 OTHER = "Zr5Tn8Wq2Kd7HxPm3Lf1"
@@ -79,3 +91,82 @@ def test_a_refused_reload_keeps_every_old_key_and_a_good_one_swaps_them_whole(tm
     assert summary["tenants_added"] == ["carol"] and summary["tenants_removed"] == ["bob"]
     assert summary["keys_added"] == 1 and summary["keys_removed"] == 1
     assert {t.name for _, t in ring.pairs} == {"alice", "carol"} and before is not ring.pairs
+
+
+def test_keys_new_in_place_adds_students_without_ever_emptying_the_file(tmp_path, capsys):
+    """`minserve keys new --merge keys.json > keys.json` left keys.json empty (the shell
+    truncates it before the program runs). --in-place (and --output) write a temporary file
+    and rename it: the file holds the old keys or the new ones, never nothing; owner-only,
+    and a write that fails leaves the old file as it was."""
+    f = tmp_path / "keys.json"
+    assert main(["keys", "new", "--tenants", "alice,bob", "--output", str(f)]) == 0
+    assert capsys.readouterr().out == ""  # the keys went to the file, not the terminal
+    assert oct(f.stat().st_mode & 0o777) == oct(0o600)
+    before = json.loads(f.read_text())
+    inode = f.stat().st_ino
+    assert main(["keys", "new", "--tenants", "carol", "--merge", str(f), "--in-place"]) == 0
+    after = json.loads(f.read_text())
+    assert before.items() <= after.items() and len(after) == 3
+    assert f.stat().st_ino != inode  # renamed over it, not rewritten in place
+    assert sorted(t.name for t in load_api_keys(str(f)).values()) == ["alice", "bob", "carol"]
+    assert main(["keys", "new", "--tenants", "b/b", "--merge", str(f), "--in-place"]) == 2
+    assert main(["keys", "new", "--tenants", "dave", "--in-place"]) == 2  # no --merge file
+    assert json.loads(f.read_text()) == after  # refusals leave the file as it was
+    assert list(tmp_path.iterdir()) == [f]  # no temporary file left behind
+    with pytest.raises(SystemExit):
+        main(["keys", "new", "--help"])
+    assert "empties keys.json" in capsys.readouterr().out
+
+
+def test_sighup_while_the_model_loads_is_deferred_not_fatal(tmp_path):
+    """SIGHUP during `minserve serve`'s model load killed it (exit 129, nothing logged).
+    Now it is noted and the keys file read again once the server is up: a key added
+    while the model loaded works."""
+    from transformers import AutoTokenizer
+
+    from minserve.models import embedded_model_dir, tiny_llama
+
+    model = tmp_path / "model"
+    tiny_llama(vocab_size=49152, max_positions=256).save_pretrained(model)
+    AutoTokenizer.from_pretrained(embedded_model_dir()).save_pretrained(model)
+    alice, dave = "ms-alice-Q7fK2pX9vL3m", "ms-dave-Fp8Kc3Xn6Rb2Qm"
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({alice: {"tenant": "alice"}}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minserve", "serve", "--model", str(model), "--port", str(port),
+         "--api-keys-file", str(keys), "--threads", "1"], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # as from a shell
+    lines = []
+    try:
+        for raw in proc.stdout:  # until the model starts loading
+            lines.append(raw.decode())
+            if lines[-1].startswith("loading "):
+                break
+        keys.write_text(json.dumps({alice: {"tenant": "alice"}, dave: {"tenant": "dave"}}))
+        proc.send_signal(signal.SIGHUP)
+        threading.Thread(target=lambda: lines.extend(r.decode() for r in proc.stdout),
+                         daemon=True).start()
+        url = f"http://127.0.0.1:{port}"
+
+        def up():
+            assert proc.poll() is None, "".join(lines)  # before: exit 129
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(up, timeout=120, what="the server to come up")
+        wait_until(lambda: any("keys reloaded" in ln for ln in lines), what="the reload")
+        assert any("SIGHUP while the server starts: deferred" in ln for ln in lines)
+        assert httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {dave}"},
+                         timeout=10).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        finally:
+            proc.kill()

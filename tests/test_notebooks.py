@@ -139,13 +139,17 @@ def test_every_figure_has_its_static_picture_linked_for_readers_outside_jupyter(
 
 def test_every_picture_in_docs_img_is_refreshed_by_make_screenshots():
     """No stale PNG: each one is a notebook figure (scripts/screenshots.py) or a browser
-    test's screenshot (tests/test_app_browser.py, tests/test_jupyterlab.py)."""
+    test's screenshot (tests/test_app_browser.py, tests/test_jupyterlab.py, the 1280x720
+    test of tests/test_demo_steps_browser.py), each of them run by `make screenshots`."""
     made = {cell.get("metadata", {}).get("minserve", {}).get("screenshot")
             for path in PATHS for cell in load(path)["cells"]} - {None}
-    browser = {"app", "app_kv", "app_fairness", "stepper"}
+    browser = {"app", "app_kv", "app_fairness", "stepper", "app_first_screen_1280"}
+    tests = ("test_app_browser.py", "test_jupyterlab.py", "test_demo_steps_browser.py")
+    recipe = re.search(r"^screenshots:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M)[1]
+    assert all(t in recipe for t in tests), recipe
     for name in browser:
-        assert re.search(rf"\b{name}\.png\b", (ROOT / "tests" / "test_app_browser.py").read_text()
-                         + (ROOT / "tests" / "test_jupyterlab.py").read_text()), name
+        assert re.search(rf"\b{name}\.png\b", "".join((ROOT / "tests" / t).read_text()
+                                                      for t in tests)), name
     pngs = {p.stem for p in (ROOT / "docs" / "img").glob("*.png")}
     assert pngs == made | browser, (sorted(pngs - made - browser), sorted(made | browser - pngs))
 
@@ -172,20 +176,20 @@ def test_a_real_model_notebook_says_so_and_compares_no_model_dependent_output(pa
                                f"and check stable facts in a hidden check cell", source(cell)[:80])
 
 
-def test_make_test_fast_leaves_out_the_real_model_notebooks():
-    """`make test-fast` runs the tiny-model notebooks and none of the real-model ones."""
-    recipe = re.search(r"^test-fast:.*\n\t(.+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
-    args = shlex.split(recipe.split("pytest", 1)[1])
-    args = [a for a in args if a != "-q"]  # one -q: collect-only lists every item
+def test_make_test_runs_every_notebook_and_make_test_fast_none():
+    """`make test` (pytest's testpaths) runs every lesson under nbval; `make test-fast`, the
+    edit-test loop, collects `tests/` only (tests/test_make_test_fast.py reads its recipe)."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^testpaths = \[.*"notebooks"', pyproject, re.M), "make test: no notebooks"
+    assert re.search(r'^addopts = ".*--nbval', pyproject, re.M)
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
-                          "-p", "no:cacheprovider", *args, "notebooks"], cwd=ROOT,
+                          "-p", "no:cacheprovider", "notebooks"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300).stdout
     collected = {line.split("::")[0] for line in out.splitlines() if ".ipynb::" in line}
-    real = {p.relative_to(ROOT).as_posix() for p in PATHS
-            if load(p).get("metadata", {}).get("minserve", {}).get("real_model")}
-    assert real and not (collected & real), (sorted(collected), sorted(real))
     # (the labs are otter sources, graded by tests/test_labs.py, not replayed by nbval)
-    assert collected >= {p.relative_to(ROOT).as_posix() for p in LESSONS} - real
+    assert collected >= {p.relative_to(ROOT).as_posix() for p in LESSONS}, sorted(collected)
+    recipe = re.search(r"^test-fast:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M)[1]
+    assert "notebooks" not in shlex.split(recipe.replace("\\\n", " ")), recipe
 
 
 # --- notebooks/README.md: the course around the lessons ---------------------------------------

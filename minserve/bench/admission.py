@@ -22,7 +22,7 @@ import statistics
 import time
 from typing import Any
 
-from .registry import experiment, option
+from .registry import at_least, experiment, option
 from .report import md_table
 from .timing import drain
 
@@ -116,8 +116,11 @@ def table(runs: list[dict[str, Any]]) -> list[str]:
                       r["recomputed_tokens"]] for r in runs])
 
 
-@experiment("admission", option("-n", type=int, default=16, help="requests"),
-            option("--num-blocks", type=int, default=48), option("--max-tokens", type=int, default=192))
+@experiment("admission", option("-n", type=at_least(1), default=16, help="requests"),
+            option("--num-blocks", type=at_least(1), default=48,
+                   help="the KV pool, in blocks of 16 tokens"),
+            option("--max-tokens", type=at_least(1), default=192, help="each request's max_tokens"),
+            smallest=("-n", "2", "--num-blocks", "8", "--max-tokens", "4"))
 def admission(bench):
     """Reserve or preempt (P6): one workload, the same KV budget, both admission settings."""
     from .. import SamplingParams

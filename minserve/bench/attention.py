@@ -17,9 +17,11 @@ One torch thread (`--threads` to change), as `minserve serve` runs on 2 cores.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
-from .registry import experiment, option
+from .registry import at_least, experiment, option
 from .report import md_table
 from .timing import decode_race, decoding, drain, interleave, medians_ms
 
@@ -83,14 +85,18 @@ def tick_times(model, tokenizer, B: int, ticks: int = 16) -> dict[str, float]:
     return medians_ms(times)
 
 
-@experiment("attention", option("--batch", type=int, nargs="+", default=[1, 2, 8, 16, 32]),
-            option("--no-ticks", dest="ticks", action="store_false",
-                   help="only one layer's attention, not whole decode ticks"), threads=1)
+@experiment("attention", option("--batch", type=at_least(1), nargs="+", default=[1, 2, 8, 16, 32],
+                                help="rows, one run each"),
+            option("--ticks", action=argparse.BooleanOptionalAction, default=True,
+                   help="whole decode ticks too, after one layer's attention"),
+            option("--rounds", type=at_least(1), default=60,
+                   help="one layer's attention: interleaved rounds timed"),
+            threads=1, smallest=("--batch", "1", "--rounds", "1"))
 def attention(bench):
     """Decode attention: PyTorch (`paged._attend`) against the C kernel, a layer and a tick."""
     rows = []
     for B in bench.args.batch:
-        r = layer_times(B)
+        r = layer_times(B, bench.args.rounds)
         rows.append([B, f"{r['torch']:.2f}", f"{r['kernel']:.2f}", f"{r['kernel'] / r['torch']:.2f}"])
         print(rows[-1], flush=True)
     ticks = []

@@ -45,7 +45,7 @@ import torch
 
 from ..fast.compact import Linear
 from .overhead import BareDecoder
-from .registry import experiment, option
+from .registry import at_least, experiment, option
 from .report import md_table
 from .timing import decode_race, decoding, drain, medians_ms
 
@@ -141,12 +141,13 @@ def measure(bench, batch: int, context: int, ticks: int, paths: list[str]) -> di
 
 
 @experiment("floor",
-            option("--batch", type=int, nargs="+", default=[1, 8, 32]),
-            option("--context", type=int, default=128, help="tokens of history per row"),
-            option("--ticks", type=int, default=8, help="rounds timed (after 2 of warm-up)"),
-            option("--paths", nargs="+", default=[*PATHS, "hf"], choices=[*PATHS, "hf"]),
-            option("--tiny", action="store_true", help="a tiny random Llama (smoke runs)"),
-            threads=serve_threads())
+            option("--batch", type=at_least(1), nargs="+", default=[1, 8, 32],
+                   help="rows decoding, one run each"),
+            option("--context", type=at_least(1), default=128, help="tokens of history per row"),
+            option("--ticks", type=at_least(1), default=8, help="rounds timed (after 2 of warm-up)"),
+            option("--paths", nargs="+", default=[*PATHS, "hf"], choices=[*PATHS, "hf"],
+                   help="the decode steps timed"),
+            threads=serve_threads(), smallest=("--batch", "1", "--context", "8", "--ticks", "1"))
 def floor(bench):
     """A decode step of each path against this machine's floor (memory or matmul bound)."""
     a = bench.args

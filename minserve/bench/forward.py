@@ -19,7 +19,7 @@ import statistics
 import time
 
 from .overhead import fill_decode_batch
-from .registry import experiment, option
+from .registry import at_least, experiment, option
 from .report import md_table
 from .timing import ForwardClock, decode_race, drain, fastest_ms, interleave, medians_ms
 
@@ -44,8 +44,15 @@ def op_shares(step, n: int) -> dict[str, float]:
     return {g: sum(ops.get(op, 0.0) for op in group) / total for g, group in GROUPS.items()}
 
 
-@experiment("tick-profile", option("-n", type=int, default=16),
-            option("--backend", default="paged"), option("--prefill-mode", default="mixed_batch"))
+@experiment("tick-profile", option("-n", type=at_least(1), default=16,
+                                   help="requests of the chat mix"),
+            option("--backend", default="paged", choices=["padded", "paged"],
+                   help="minserve backend"),
+            option("--prefill-mode", default="mixed_batch",
+                   choices=["monolithic", "chunked", "mixed_batch"], help="how prompts run"),
+            option("--max-tokens", type=at_least(1), default=None,
+                   help="cap every reply at this many tokens (default: the chat mix's lengths)"),
+            smallest=("-n", "2", "--max-tokens", "4"))
 def tick_profile(bench):
     """Where a serving run's time goes: outside the forward, the head, operator groups."""
     from .. import SamplingParams
@@ -58,8 +65,8 @@ def tick_profile(bench):
         engine = bench.engine(backend=a.backend, prefill_mode=a.prefill_mode,
                               prefill_chunk_size=256, max_batch_size=8)
         for r in make_workload(a.n, seed=0).requests:
-            engine.submit(list(r.prompt_ids), SamplingParams(max_tokens=r.max_tokens,
-                                                             ignore_eos=True))
+            engine.submit(list(r.prompt_ids), SamplingParams(
+                max_tokens=min(r.max_tokens, a.max_tokens or r.max_tokens), ignore_eos=True))
         t0, ticks = time.perf_counter(), 0
         while engine.scheduler.has_work():
             engine.step()
@@ -77,7 +84,7 @@ def tick_profile(bench):
     fwd, head = clocks[0].spent, clocks[1].spent
     bench.publish(f"tick-profile-{a.backend}-{a.prefill_mode}", [
         f"## Where the time goes: `{a.prefill_mode}` on the {a.backend} backend", "",
-        f"`minserve bench tick-profile --backend {a.backend} --prefill-mode {a.prefill_mode}`: "
+        f"`.venv/bin/minserve bench tick-profile --backend {a.backend} --prefill-mode {a.prefill_mode}`: "
         f"the chat mix, {a.n} requests at t=0, batch 8, chunks of 256, EOS ignored; one plain "
         "run with forward hooks, one under `torch.profiler`.", "",
         *md_table(["where", "seconds", "share of the run"], [
@@ -147,9 +154,11 @@ def compact_ticks(model, tokenizer, B: int, prompt_len: int, ticks: int, warmup:
             "outside_ms": outside * 1e3, "shares": shares}
 
 
-@experiment("compact", option("--batch", type=int, nargs="+", default=[1, 8, 16, 32]),
-            option("--prompt-len", type=int, default=384, help="tokens of history per row"),
-            option("--ticks", type=int, default=12))
+@experiment("compact", option("--batch", type=at_least(1), nargs="+", default=[1, 8, 16, 32],
+                              help="rows in the decode batch, one run each"),
+            option("--prompt-len", type=at_least(1), default=384, help="tokens of history per row"),
+            option("--ticks", type=at_least(1), default=12, help="decode ticks timed"),
+            smallest=("--batch", "1", "--prompt-len", "8", "--ticks", "1"))
 def compact(bench):
     """A decode tick: the HF model vs the compact forward, against the weight-matmul floor."""
     a = bench.args
@@ -168,7 +177,7 @@ def compact(bench):
     threads = f" --threads {a.threads}" if a.threads else ""
     bench.publish("compact-forward" + (f"-threads{a.threads}" if a.threads else ""), [
         "## Compact forward: decode tick, HF model vs `model_runner=\"compact\"`", "",
-        f"`minserve bench compact{threads}`: paged backend, SmolLM2-135M fp32, B rows of "
+        f"`.venv/bin/minserve bench compact{threads}`: paged backend, SmolLM2-135M fp32, B rows of "
         f"{a.prompt_len} tokens in the decode batch; one tick of each engine and the weight "
         f"matmuls alone, interleaved, medians of {a.ticks} rounds (in brackets: the ratio of the "
         "fastest, least disturbed ticks). The operator split is from `torch.profiler` over 4 "
@@ -207,10 +216,11 @@ def linear_times(runner, B: int, rounds: int, c_rows: int = 0) -> dict[str, floa
         return medians_ms(interleave(sides, rounds))
 
 
-@experiment("linear", option("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64]),
-            option("--rounds", type=int, default=9),
-            option("--c-rows", type=int, default=4, help="time the C loop up to this batch"),
-            threads=1)
+@experiment("linear", option("--batch", type=at_least(1), nargs="+",
+                             default=[1, 2, 4, 8, 16, 32, 64], help="rows, one run each"),
+            option("--rounds", type=at_least(1), default=9, help="interleaved rounds timed"),
+            option("--c-rows", type=at_least(0), default=4, help="time the C loop up to this batch"),
+            threads=1, smallest=("--batch", "1", "--rounds", "1"))
 def linear(bench):
     """Linear layers: `F.linear`, the prepacked oneDNN `Linear` and the C loop of a few rows."""
     from ..fast.compact import CompactLlama, Linear
@@ -228,7 +238,7 @@ def linear(bench):
         print(rows[-1], flush=True)
     bench.publish(f"linear-layers-threads{a.threads}", [
         "## Linear layers: `F.linear` vs prepacked oneDNN vs the C loop", "",
-        f"`minserve bench linear --threads {a.threads}`: every weight matmul of one SmolLM2-135M "
+        f"`.venv/bin/minserve bench linear --threads {a.threads}`: every weight matmul of one SmolLM2-135M "
         "decode forward at batch B (30 layers' fused qkv, o, gate_up, down, and the output "
         "head; fp32), done with PyTorch's `F.linear`, with oneDNN on weights reordered once, "
         f"and up to {a.c_rows} rows with the C loop of decode_kernel.c (`rows_linear`), "

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch.autograd import DeviceType
 
-from .registry import experiment, option
+from .registry import at_least, experiment, option
 from .report import md_table
 from .throughput import hf_generate_s
 
@@ -283,16 +283,25 @@ def markdown(res: dict) -> str:
                                    for s in shapes for n, p in res["shapes"][s]["profile"].items()])])
 
 
-@experiment("gpu", option("--device", default="cuda"),
+@experiment("gpu", option("--device", default="cuda", help="where the models run"),
             option("--dtype", default=None, help="default: bfloat16 on CUDA, float32 elsewhere"),
-            option("--shapes", nargs="+", default=None, choices=list(SHAPES)),
-            option("--requests", type=int, default=None), option("--batch", type=int, default=None),
-            option("--quick", action="store_true", help="a smoke run: tiny shape, few tokens"),
-            option("--out", default=None, help="write gpu.json and gpu.md into this folder"))
+            option("--shapes", nargs="+", default=None, choices=list(SHAPES),
+                   help="model shapes (default: tiny with --quick or --tiny, else "
+                        "smollm2-135m and llama-3.2-1b)"),
+            option("--requests", type=at_least(1), default=None,
+                   help="requests (default: 8 with --quick, else 128)"),
+            option("--batch", type=at_least(1), default=None,
+                   help="rows at most (default: 4 with --quick, else 64)"),
+            option("--quick", action="store_true",
+                   help="a smoke run: tiny shape, few tokens (default: the full run)"),
+            option("--out", default=None,
+                   help="write gpu.json and gpu.md into this folder (default: print only)"),
+            smallest=("--device", "cpu", "--quick", "--requests", "2", "--batch", "2"))
 def gpu(bench):
     """On a GPU: HF's two ways and minserve's paths, tokens/s, and a decode tick profiled."""
     a = bench.args
     dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
+    a.quick = a.quick or a.tiny  # its own tiny shape (SHAPES), never the embedded model
     shapes = a.shapes or (["tiny"] if a.quick else ["smollm2-135m", "llama-3.2-1b"])
     res = run(shapes, a.device, dtype, a.requests or (8 if a.quick else 128),
               a.batch or (4 if a.quick else 64), a.quick)

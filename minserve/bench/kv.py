@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 
-from .registry import experiment, option
+from .registry import at_least, experiment, option
 from .report import md_table
 from .timing import decode_race, decoding
 
@@ -60,9 +60,13 @@ def decode_ticks(bench, batch: int, ticks: int) -> tuple[float, float, float]:
             statistics.mean(waste) if waste else 0.0)
 
 
-@experiment("kv-cache", option("--ttft-requests", type=int, default=6),
-            option("--batch", type=int, nargs="+", default=[8, 32]),
-            option("--new-tokens", type=int, default=16, help="decode ticks timed per backend"))
+@experiment("kv-cache", option("--ttft-requests", type=at_least(1), default=6,
+                               help="requests timed with the shared system prompt"),
+            option("--batch", type=at_least(1), nargs="+", default=[8, 32],
+                   help="decode batch sizes, paged against padded"),
+            option("--new-tokens", type=at_least(1), default=16,
+                   help="decode ticks timed per backend"),
+            smallest=("--ttft-requests", "1", "--batch", "1", "--new-tokens", "1"))
 def kv_cache(bench):
     """Prefix caching's TTFT; paged vs padded decode ticks; KV bytes per token."""
     from ..backends.kv_storage import KVBlockStorage

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 
 from .metrics import jain_index, percentile
-from .registry import experiment, option
+from .registry import at_least, experiment, option
 from .report import md_table
 
 
@@ -102,8 +102,10 @@ def fcfs_vs_vtc(bench) -> dict[str, list]:
     return out
 
 
-@experiment("scheduling", option("--chunk", type=int, default=128),
-            option("--long", type=int, default=2000, help="the long prompt's tokens"))
+@experiment("scheduling", option("--chunk", type=at_least(1), default=128,
+                                 help="the chunked run's prefill_chunk_size"),
+            option("--long", type=at_least(1), default=2000, help="the long prompt's tokens"),
+            smallest=("--chunk", "32", "--long", "64"))
 def scheduling(bench):
     """Chunked vs monolithic prefill (stream stalls); FCFS vs VTC (fairness)."""
     a = bench.args
@@ -166,11 +168,13 @@ def stream_beside(engine, prompt_tokens: int, stream_tokens: int = 48) -> dict:
 
 
 @experiment("long-prompt",
-            option("--prompt-tokens", type=int, default=6000, help="the long prompt's length"),
-            option("--chunks", type=int, nargs="+", default=[0, 512, 256, 128],
+            option("--prompt-tokens", type=at_least(1), default=6000,
+                   help="the long prompt's length"),
+            option("--chunks", type=at_least(0), nargs="+", default=[0, 512, 256, 128],
                    help="prefill_chunk_size values, padded backend (0: monolithic)"),
-            option("--mixed-chunks", type=int, nargs="*", default=[256],
-                   help="chunk sizes to run as mixed_batch (Version B) on the paged backend"))
+            option("--mixed-chunks", type=at_least(1), nargs="*", default=[256],
+                   help="chunk sizes to run as mixed_batch (Version B) on the paged backend"),
+            smallest=("--prompt-tokens", "32", "--chunks", "0", "--mixed-chunks"))
 def long_prompt(bench):
     """One long prompt beside a streaming user: how long the stream stalls."""
     a = bench.args
@@ -179,7 +183,7 @@ def long_prompt(bench):
     rows = [["monolithic" if r["chunk"] == 0 else f"mixed_batch (paged), {r['chunk']} tokens"
              if r["mixed"] else f"chunked, {r['chunk']} tokens", f"**{r['max_gap_s']:.2f} s**",
              f"{r['stream_s']:.1f} s", f"{r['long_ttft_s']:.1f} s"] for r in runs]
-    command = f"minserve bench long-prompt --prompt-tokens {a.prompt_tokens}"
+    command = f".venv/bin/minserve bench long-prompt --prompt-tokens {a.prompt_tokens}"
     bench.publish("long-prompt-stall", [
         "### One long prompt beside a streaming user", "",
         f"A chat streams 48 tokens; two tokens in, a {a.prompt_tokens:,}-token document arrives "
@@ -200,11 +204,15 @@ PREFILL_MODES = {"monolithic": {"prefill_mode": "monolithic"},
 
 
 @experiment("disaggregated",
-            option("--prompt-tokens", type=int, default=3500, help="the long prompt's length"),
-            option("--stream-tokens", type=int, default=64, help="the stream's tokens"),
-            option("--worker-threads", type=int, nargs="+", default=None,
+            option("--prompt-tokens", type=at_least(1), default=3500,
+                   help="the long prompt's length"),
+            option("--stream-tokens", type=at_least(3, "a worst gap and a median need two "
+                                                     "gaps"), default=64,
+                   help="the stream's tokens"),
+            option("--worker-threads", type=at_least(1), nargs="+", default=None,
                    help="the prefill worker's torch threads, one run each (default: half the "
-                        "threads, then all of them); the decode side keeps half"))
+                        "threads, then all of them); the decode side keeps half"),
+            smallest=("--prompt-tokens", "32", "--stream-tokens", "3", "--worker-threads", "1"))
 def disaggregated(bench):
     """A long prompt beside a stream, three prefill modes: worst gap, TTFT, TPOT, KV moved."""
     import torch
@@ -243,7 +251,7 @@ def disaggregated(bench):
             for name, r in runs.items()]
     c = runs["chunked, 256 tokens"]
     d = min((r for n, r in runs.items() if n.startswith("disagg")), key=lambda r: r["long_ttft_s"])
-    command = f"minserve bench disaggregated --prompt-tokens {a.prompt_tokens}"
+    command = f".venv/bin/minserve bench disaggregated --prompt-tokens {a.prompt_tokens}"
     bench.publish("disaggregated", [
         "## Disaggregated prefill", "",
         f"A chat streams {a.stream_tokens} tokens; two tokens in, a {a.prompt_tokens:,}-token "
@@ -268,7 +276,8 @@ def disaggregated(bench):
                   "disagg.disaggregated_ttft_s": round(d["long_ttft_s"], 1)}, command)
 
 
-def light_user_ttft(bench, flood_start_s: float = 3.0, **engine_cfg) -> dict:
+def light_user_ttft(bench, flood_start_s: float = 3.0, flood: dict | None = None,
+                    **engine_cfg) -> dict:
     from .. import SamplingParams
     from ..chat.logic import FLOOD_DEFAULTS, ChatApp, app_defaults
 
@@ -276,7 +285,7 @@ def light_user_ttft(bench, flood_start_s: float = 3.0, **engine_cfg) -> dict:
     engine = bench.engine(**{**app_defaults(policy), "policy": policy, **engine_cfg})
     app = ChatApp(engine)  # starts the worker, as the demo does
     try:
-        app.noisy.start(**FLOOD_DEFAULTS)
+        app.noisy.start(**(flood or FLOOD_DEFAULTS))
         time.sleep(flood_start_s)
         t0 = time.perf_counter()
         h = engine.submit([{"role": "user", "content": "What is the capital of France? Answer "
@@ -291,21 +300,36 @@ def light_user_ttft(bench, flood_start_s: float = 3.0, **engine_cfg) -> dict:
         app.close()
 
 
-@experiment("demo-wait")
+@experiment("demo-wait",
+            option("--after", type=float, default=3.0,
+                   help="seconds into the flood the light user sends"),
+            option("--flood", type=at_least(1), default=None,
+                   help="the flood's requests in all (default: the demo's, "
+                        "chat.logic.FLOOD_DEFAULTS)"),
+            smallest=("--after", "0.2", "--flood", "4"))
 def demo_wait(bench):
     """The chat demo's light user: first token under its flood (docs/demo.md)."""
+    from ..chat.logic import FLOOD_DEFAULTS
     from .report import DOC
 
-    runs = [light_user_ttft(bench),  # the demo's defaults: fair + its row cap
-            light_user_ttft(bench, max_rows_per_session=None),
-            light_user_ttft(bench, policy="fcfs")]  # the demo's fcfs: no cap
+    a = bench.args
+    flood = dict(FLOOD_DEFAULTS)
+    if a.flood:  # a smaller flood, as many in flight as it has requests at most
+        flood.update(total=a.flood, in_flight=min(a.flood, flood["in_flight"]))
+    kw = {"flood_start_s": a.after, "flood": flood}
+    runs = [light_user_ttft(bench, **kw),  # the demo's defaults: fair + its row cap
+            light_user_ttft(bench, max_rows_per_session=None, **kw),
+            light_user_ttft(bench, policy="fcfs", **kw)]  # the demo's fcfs: no cap
     rows = [[f"{r['policy']}, " + (f"row cap {r['cap']} per session" if r["cap"] else "no row cap"),
              f"**{r['ttft_s']:.1f} s**"] for r in runs]
+    default = flood == FLOOD_DEFAULTS and a.after == 3.0
     bench.publish("light-user-wait", [
-        "A light user's chat sent 3 s into the default flood (48 requests, 24 in flight, "
-        "replies up to 128 tokens), batch 8, the embedded SmolLM2 on this machine's CPU; "
+        f"A light user's chat sent {a.after:g} s into the {'default ' if default else ''}flood "
+        f"({flood['total']} requests, {flood['in_flight']} in flight, replies up to "
+        f"{flood['max_tokens']} tokens), batch 8, the embedded SmolLM2 on this machine's CPU; "
         "`minserve bench demo-wait` (one run each):", "",
         *md_table(["engine", "light user's first token after"], rows)], doc=DOC.parent / "demo.md")
-    bench.record({n: round(r["ttft_s"], 1) for n, r in zip(
-        ("demo_wait.fair_cap_s", "demo_wait.fair_nocap_s", "demo_wait.fcfs_s"), runs)},
-        "minserve bench demo-wait, one run each")
+    if default:  # the figures docs/demo.md quotes are the default flood's
+        bench.record({n: round(r["ttft_s"], 1) for n, r in zip(
+            ("demo_wait.fair_cap_s", "demo_wait.fair_nocap_s", "demo_wait.fcfs_s"), runs)},
+            "minserve bench demo-wait, one run each")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
-from .registry import experiment, option
+from .registry import at_least, experiment, option
 from .report import md_table
 
 TEXT = ("The history of computing is a story of layers: transistors become gates, gates become "
@@ -67,10 +67,14 @@ THROUGHPUT_PATHS = {
 
 
 @experiment("decode-throughput",
-            option("--batch", type=int, nargs="+", default=[8, 32]),
-            option("--new-tokens", type=int, default=64),
+            option("--batch", type=at_least(1), nargs="+", default=[8, 32],
+                   help="batch sizes, one static batch each"),
+            option("--new-tokens", type=at_least(3, "the first is the prefill's, and at least "
+                                                  "one tick must decode alone"), default=64,
+                   help="tokens each request generates"),
             option("--paths", nargs="+", default=list(THROUGHPUT_PATHS),
-                   choices=list(THROUGHPUT_PATHS)))
+                   choices=list(THROUGHPUT_PATHS), help="engine paths, each beside HF"),
+            smallest=("--batch", "1", "--new-tokens", "3"))
 def decode_throughput(bench):
     """Decode throughput of the engine vs HF `generate`, one static batch each."""
     from .. import SamplingParams
@@ -93,8 +97,9 @@ def decode_throughput(bench):
             ms = b * n / (time.perf_counter() - t0)
             assert all(len(o.token_ids) == n for o in outs)
             dec = [r for r in engine.trace if r.decode.rows and not r.prefill.chunks]  # decode only
-            ms_dec = sum(len(r.decode.rows) for r in dec) / sum(r.duration_s for r in dec)
-            row += [f"{ms:.1f}", f"{ms_dec:.1f}", f"**{ms / hf:.2f}**"]
+            ms_dec = (f"{sum(len(r.decode.rows) for r in dec) / sum(r.duration_s for r in dec):.1f}"
+                      if dec else "–")  # (--new-tokens >= 3 leaves one; a gate could still not)
+            row += [f"{ms:.1f}", ms_dec, f"**{ms / hf:.2f}**"]
             if hasattr(engine.scheduler.backend, "close"):
                 engine.scheduler.backend.close()
         rows.append(row)
@@ -117,9 +122,11 @@ def _hog(stop) -> None:  # a CPU-bound neighbour
             x += 1
 
 
-@experiment("busy", option("--hogs", type=int, nargs="+", default=[0, 6],
+@experiment("busy", option("--hogs", type=at_least(0), nargs="+", default=[0, 6],
                            help="busy-loop processes to run beside the measurement"),
-            option("--thread-counts", type=int, nargs="+", default=[2, 1], help="torch threads"))
+            option("--thread-counts", type=at_least(1), nargs="+", default=[2, 1],
+                   help="torch threads"),
+            smallest=("--hogs", "0", "--thread-counts", "1"))
 def busy(bench):
     """minserve and HF `generate` with CPU-bound neighbours, at 2 and 1 torch threads."""
     import torch
@@ -138,7 +145,7 @@ def busy(bench):
         hf = sum(hf_generate_s(model, prompts[i:i + 8], 32) for i in (0, 8))  # 2 batches of 8
         return 16 * 32 / ms, 16 * 32 / hf
 
-    tok_s(2)  # warm-up
+    tok_s(bench.args.thread_counts[0])  # warm-up
     rows = []
     for hogs in bench.args.hogs:
         stop = mp.Event()

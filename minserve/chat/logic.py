@@ -199,14 +199,20 @@ class SessionCounters:
 
     sent: int = 0
     finished: int = 0  # ended normally (stop / length)
-    refused: int = 0  # a gate said no (G1/G2/G3)
+    refused: int = 0  # a gate said no (G1/G2/G3): the sum of refused_by
+    refused_by: dict[str, int] = dataclasses.field(default_factory=dict)  # gate -> refusals
     cancelled: int = 0
     tokens: int = 0  # output tokens received
     last_ttft: float | None = None  # seconds from submit to the first token
 
 
 class SessionBook:
-    """Per-session counters, written by chats and the flood, read by the panel."""
+    """Per-session counters, written by chats and the flood, read by the panel.
+
+    The panel's refusal counts all come from one `snapshot()`: the sessions table, the
+    summary's "refused" (their sum, by gate) and the flood's line (its session's row), so
+    that at any moment they read the same numbers (the engine's own `stats()["rejected"]`
+    counts at submit, a moment before a chat or the flood hears of it)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -217,6 +223,12 @@ class SessionBook:
         with self._lock:
             if session not in self.closed:
                 self.sessions.setdefault(session, SessionCounters()).sent += 1
+
+    def restart(self, session: str) -> None:
+        """A new flood: its session's row starts again (the flood's line counts this flood)."""
+        with self._lock:
+            self.closed.discard(session)
+            self.sessions[session] = SessionCounters()
 
     def close(self, session: str) -> None:
         """The session's tab closed: its row leaves the table (its requests were cancelled)."""
@@ -233,6 +245,8 @@ class SessionBook:
             c.tokens += len(output.token_ids)
             if output.rejection is not None:
                 c.refused += 1
+                gate = output.rejection.get("gate", "?")
+                c.refused_by[gate] = c.refused_by.get(gate, 0) + 1
             elif output.finish_reason == "cancelled":
                 c.cancelled += 1
             else:
@@ -242,7 +256,8 @@ class SessionBook:
 
     def snapshot(self) -> dict[str, SessionCounters]:
         with self._lock:
-            return {s: dataclasses.replace(c) for s, c in self.sessions.items()}
+            return {s: dataclasses.replace(c, refused_by=dict(c.refused_by))
+                    for s, c in self.sessions.items()}
 
 
 # ------------------------------------------------------------------ the noisy neighbour
@@ -275,6 +290,7 @@ class NoisyNeighbour:
             return "the noisy neighbour is already flooding; stop it first"
         self._stop.clear()
         self.counts = dict.fromkeys(self.counts, 0)
+        self.book.restart(self.session)
         self.total, self.deadline, self.state = int(total), time.monotonic() + duration_s, "flooding"
         self._thread = threading.Thread(target=self._run, args=(int(in_flight), int(max_tokens)),
                                         name="noisy-neighbour", daemon=True)
@@ -327,11 +343,15 @@ class NoisyNeighbour:
                 self.counts[key] += 1
                 self.book.finished(self.session, out)
 
-    def describe(self) -> str:
-        c = self.counts
-        line = (f"**{self.state}** · sent {c['sent']}/{self.total} · done {c['done']} · "
-                f"in flight {len(self.outstanding)} · refused {c['refused']} · "
-                f"stopped {c['cancelled']}")
+    def describe(self, row: SessionCounters | None = None) -> str:
+        """The flood's line. Its counts are its session's row of the book (`row`, from the
+        panel's snapshot, so the line and the table agree; else read now)."""
+        if row is None:
+            row = self.book.snapshot().get(self.session, SessionCounters())
+        with self._lock:
+            in_flight = len(self.outstanding)
+        line = (f"**{self.state}** · sent {row.sent}/{self.total} · done {row.finished} · "
+                f"in flight {in_flight} · refused {row.refused} · stopped {row.cancelled}")
         if self.running:
             line += f" · {max(0.0, self.deadline - time.monotonic()):.0f} s left"
         return line

@@ -16,6 +16,7 @@ file, so a figure cannot say 23 s in one page and 25.5 s in another.
     python -m minserve.figures                  # check: list disagreements
     python -m minserve.figures sync             # rewrite the marked numbers
     python -m minserve.figures set NAME VALUE   # record a measurement, then sync
+                                                # (a time: then add its "conditions")
 
 An outer layer: the docs' bookkeeping, not the engine's. May import: nothing of
 minserve (the standard library only); imported by `minserve.bench` (experiments record
@@ -50,12 +51,29 @@ def save(figures: dict[str, dict], path: Path = FIGURES) -> None:
                     encoding="utf-8")
 
 
+# A time is worth little without the machine it was taken on: each timing figure carries
+# its conditions, {"machine": "quiet" | "loaded" | "unknown", "cores": N, "load": "0.6-0.9"
+# or None}, and a page that quotes it says next to it which machine (tests/test_page_figures.py).
+TIMING = re.compile(r"(_s|_ms|\.minutes)$")
+MACHINES = ("quiet", "loaded", "unknown")
+
+
+def conditions_of(load_start: float, load_end: float, cores: int) -> dict:
+    """A run's conditions from its load averages: quiet when the machine was idle as it
+    started (a 1-minute load under 1: the run's own threads then raise it)."""
+    return {"machine": "quiet" if load_start < 1.0 else "loaded", "cores": cores,
+            "load": f"{load_start:.1f}-{load_end:.1f}"}
+
+
 def record(values: dict[str, float], source: str, path: Path = FIGURES,
-           root: Path = ROOT) -> None:
-    """Store measured `values` (name -> number) with where they came from; sync the docs."""
+           root: Path = ROOT, conditions: dict | None = None) -> None:
+    """Store measured `values` (name -> number) with where they came from (and, for a
+    time, the conditions it was measured under); sync the docs."""
     figures = load(path) if path.exists() else {}
     for name, value in values.items():
         figures.setdefault(name, {}).update(value=value, source=source)
+        if conditions is not None:
+            figures[name]["conditions"] = conditions
     save(figures, path)
     sync(root, path)
 

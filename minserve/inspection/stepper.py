@@ -253,14 +253,16 @@ class Stepper:
 
     def shares(self) -> str:
         """One line per tenant (session) that wants rows, with shares on (SPEC H6): what it
-        holds, its share now, whether it borrows or its share holds it back. '' when
+        holds, its share now, how many rows it borrows (taken back, newest first, when one
+        under its share waits) or whether its share holds it back. '' when
         shares are off or nobody wants anything."""
         table = self.engine.stats().get("shares") or {}
         if not table:
             return ""
         lines = [f"shares now ({len(table)} want rows and KV):"]
         for who, t in table.items():
-            state = ("borrowing: given back first" if t["borrowing"] else "within its share")
+            state = (f"borrowing {t.get('borrowed_rows', '')} rows: taken back when one under "
+                     "its share waits" if t["borrowing"] else "within its share")
             if t["held_back"]:
                 state += "; held back while one under its share waits"
             lines.append(f"  {who}: {t['rows']} rows of a {t['share_rows']:g}-row share, "

@@ -230,8 +230,8 @@ def request_states(trace: Trace) -> dict[str, list[dict[str, Any]]]:
     (disaggregated: its prompt is computed in the worker process this tick, or queued
     there; its final "prefill" event is the tick its KV was moved in and it was
     promoted), decode, finished (with the reason), rejected (with the gate), preempted
-    (admission="preempt": its KV was dropped before the tick's decode; it waits in
-    pending to be recomputed).
+    (admission="preempt": its KV was dropped before the tick's decode; or, with shares,
+    taken back in T1 for a tenant owed a row; it waits in pending to be recomputed).
     """
     events: dict[str, list[dict[str, Any]]] = {rid: [] for rid in trace.request_ids()}
 
@@ -266,7 +266,7 @@ def request_states(trace: Trace) -> dict[str, list[dict[str, Any]]]:
         for e in rec.evict.evicted:
             add(e["request_id"], t, FINISHED, e["finish_reason"])
             touched.add(e["request_id"])
-        for p in rec.decode.preempted:
+        for p in rec.admit.reclaimed + rec.decode.preempted:  # taken back in T1 (H6), or T4
             add(p["request_id"], t, PREEMPTED, f"{p['released_tokens']} tokens of KV "
                 f"released after {p['tokens_so_far']} tokens; {p['why']}")
             touched.add(p["request_id"])

@@ -21,8 +21,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ..bench.registry import experiment, option
+from ..bench.registry import at_least, experiment, option
 from ..bench.report import md_table
+from ..bench.shares import model_dir
 from ..spans import ENV, summary
 from .openai_target import OpenAITarget
 from .servers import free_port, minserve_command, running
@@ -46,14 +47,16 @@ PARTS = {
 
 
 def served_split(rate: float, duration_s: float, seed: int, extra: list[str], out_dir: Path,
-                 warmup: int = 4) -> tuple[dict, RateRun, float | None]:
-    """Run `minserve serve` with spans at `rate` for `duration_s`; (spans summary over the
-    measured run only, the client's figures, the client's mean TPOT in s)."""
+                 warmup: int = 4, model_dir: str | None = None
+                 ) -> tuple[dict, RateRun, float | None]:
+    """Run `minserve serve` on `model_dir` (the embedded SmolLM2 by default) with spans at
+    `rate` for `duration_s`; (spans summary over the measured run only, the client's
+    figures, the client's mean TPOT in s)."""
     from transformers import AutoTokenizer
 
     from ..models import embedded_model_dir
 
-    model_dir = str(embedded_model_dir())
+    model_dir = model_dir or str(embedded_model_dir())
     tok = AutoTokenizer.from_pretrained(model_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     spans_file = out_dir / "spans.json"
@@ -63,7 +66,8 @@ def served_split(rate: float, duration_s: float, seed: int, extra: list[str], ou
     with running(cmd, out_dir / "minserve.log") as url:
         target = OpenAITarget(url, api="chat", ignore_eos=False, tokenizer=tok, name="minserve",
                               send_user=False)
-        target.run(chat_service(tok, 2.0, 0, seed + 1, warmup, None), progress=False)
+        if warmup:
+            target.run(chat_service(tok, 2.0, 0, seed + 1, warmup, None), progress=False)
         # perf_counter is the system's monotonic clock (Linux, macOS): the server's stamps
         # and this process's compare, so the warm-up's ticks and tokens can be left out
         since = time.perf_counter()
@@ -96,15 +100,21 @@ def split_rows(s: dict) -> list[list[str]]:
 @experiment("served-token",
             option("--rate", type=float, default=0.5, help="requests/s, Poisson"),
             option("-d", "--duration-s", type=float, default=60.0, help="seconds of arrivals"),
-            option("--seed", type=int, default=0),
+            option("--seed", type=int, default=0, help="the workload's random seed"),
+            option("--warmup", type=at_least(0), default=4,
+                   help="requests sent first, off the record"),
             option("--minserve-args", default="", help="extra `minserve serve` flags"),
             option("--out-dir", default="bench-results/served-token",
-                   help="the server's log and its spans.json"))
+                   help="the server's log and its spans.json"),
+            smallest=("--rate", "8", "-d", "0.5", "--warmup", "0"))
 def served_token(bench):
     """Where a streamed token's time goes through `minserve serve` (spans, one client)."""
     a = bench.args
+    # --tiny: the shares bench's tiny random Llama saved with SmolLM2's tokenizer (a server
+    # needs a folder), for a smoke run in seconds
     s, rr, tpot_mean = served_split(a.rate, a.duration_s, a.seed, a.minserve_args.split(),
-                                    Path(a.out_dir))
+                                    Path(a.out_dir), a.warmup,
+                                    str(model_dir()) if bench.tiny else None)
     flags = f' --minserve-args "{a.minserve_args}"' if a.minserve_args else ""
     bench.publish("served-token", [
         "## Where a served token's time goes", "",
@@ -112,8 +122,8 @@ def served_token(bench):
         "`minserve serve` with its defaults and `MINSERVE_SPANS` (minserve/spans.py; the "
         f"server said: {s['engine'].rstrip('.')}), "
         "side_by_side's chat-service workload from one streaming client without `user` "
-        f"({rr.requests} requests, {rr.output_tokens} output tokens; 4 warm-up requests off "
-        "the record). Each token after a request's first is charged the cycle of the tick "
+        f"({rr.requests} requests, {rr.output_tokens} output tokens; {a.warmup} warm-up "
+        "requests off the record). Each token after a request's first is charged the cycle of the tick "
         f"that produced it ({s['tokens']} tokens; median {s['rows_median']:g} rows per "
         f"tick; {100 * s['chunk_ticks_share']:.0f} % of them in ticks whose forward also "
         "carried a prompt chunk). The client measured TPOT p50 "

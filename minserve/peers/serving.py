@@ -20,12 +20,13 @@ peers; 2. latency at Poisson arrivals at half the request rate minserve sustaine
 
 from __future__ import annotations
 
+import argparse
 import math
 import time
 from pathlib import Path
 from typing import Any
 
-from ..bench.registry import experiment, option
+from ..bench.registry import at_least, experiment, option
 from ..bench.report import comparison, markdown_table
 from ..bench.targets import RunResult
 from ..bench.workload import BenchRequest, Workload, make_workload
@@ -34,29 +35,31 @@ from .run_report import session_table, write_html, write_json
 
 PEERS = ("static", "continuous")
 OPTIONS = (
-    option("--num-requests", "-n", type=int, default=40, help="requests in the workload"),
+    option("--num-requests", "-n", type=at_least(1), default=40, help="requests in the workload"),
     option("--rate", type=float, default=math.inf,
            help="total requests/s, Poisson/gamma arrivals (inf: all at t=0)"),
     option("--burstiness", type=float, default=1.0,
            help="gamma shape of the gaps: 1 = Poisson, < 1 burstier"),
-    option("--concurrency", type=int, default=None,
-           help="closed loop: keep this many requests in flight (ignores --rate)"),
+    option("--concurrency", type=at_least(1), default=None,
+           help="closed loop: keep this many requests in flight, ignoring --rate (default: "
+                "open loop, arrivals at --rate)"),
     option("--prompt-len", default="chat",
            help="N | fixed:N | uniform:A:B | lognormal:MEDIAN:SIGMA[:LO:HI] | chat"),
     option("--output-len", default="chat", help="same forms as --prompt-len"),
     option("--sessions", default=None,
-           help="K (equal sessions) or NAME=WEIGHT,... (requests and rate shared by weight)"),
-    option("--shared-prefix", type=int, default=0,
+           help="K (equal sessions) or NAME=WEIGHT,... (requests and rate shared by weight; "
+                "default: one session)"),
+    option("--shared-prefix", type=at_least(0), default=0,
            help="every prompt starts with the same N tokens (a system prompt)"),
     option("--prompts", choices=["text", "ids"], default="text",
            help="prompt tokens from random words through the tokenizer, or random ids"),
-    option("--no-ignore-eos", dest="ignore_eos", action="store_false",
-           help="stop at EOS (default: run every request to its output length)"),
+    option("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+           help="run every request to its output length; --no-ignore-eos stops at EOS"),
     option("--seed", type=int, default=0, help="workload seed (same seed, same requests)"),
-    option("--vocab-size", type=int, default=49152,
+    option("--vocab-size", type=at_least(2), default=49152,
            help="--url with --prompts ids and no local model: ids are drawn below this"),
     option("--url", default=None,
-           help="benchmark this OpenAI-compatible server instead of the in-process engine"),
+           help="benchmark this OpenAI-compatible server (default: the in-process engine)"),
     option("--api", choices=["completions", "chat"], default="completions",
            help="endpoint used with --url"),
     option("--target-name", default=None, help="label of the --url target (default: the URL)"),
@@ -64,28 +67,30 @@ OPTIONS = (
     option("--peers", default=None, help="comma list of static,continuous, or none (default: "
                                          "both in process, none with --url)"),
     option("--model", default=None, help="local folder or hub id (default: embedded SmolLM2)"),
-    option("--tiny", action="store_true", help="a tiny random Llama (smoke runs)"),
     option("--device", default="cpu", help="in-process engine and peers"),
     option("--dtype", default="float32", help="model dtype"),
-    option("--max-batch-size", type=int, default=8, help="minserve's batch and the peers' batch"),
+    option("--max-batch-size", type=at_least(1), default=8, help="minserve's batch and the peers' batch"),
     option("--backend", default="padded", choices=["padded", "paged"], help="minserve backend"),
     option("--policy", default="fcfs", choices=["fcfs", "fair"], help="minserve policy"),
-    option("--prefill-chunk-size", type=int, default=0, help="0: monolithic prefill"),
+    option("--prefill-chunk-size", type=at_least(0), default=0, help="0: monolithic prefill"),
     option("--prefill-mode", default="", choices=["", *(m.value for m in PrefillMode)],
            help="'' derives it from --prefill-chunk-size; mixed_batch and disaggregated need --backend paged"),
-    option("--max-queue-size", type=int, default=256, help="gate G1"),
-    option("--no-prefix-caching", dest="prefix_caching", action="store_false",
-           help="turn minserve's prefix cache off"),
+    option("--max-queue-size", type=at_least(1), default=256, help="gate G1"),
+    option("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+           help="minserve's prefix cache"),
     option("--overhead", action="store_true",
-           help="also measure a decode tick against a bare batched forward"),
-    option("--overhead-prompt-len", type=int, default=128, help="prompt tokens per row"),
-    option("--overhead-ticks", type=int, default=32, help="decode ticks timed in --overhead"),
-    option("--profile", action="store_true", help="print a cProfile of decode ticks"),
+           help="also measure a decode tick against a bare batched forward (default: not)"),
+    option("--overhead-prompt-len", type=at_least(1), default=128, help="prompt tokens per row"),
+    option("--overhead-ticks", type=at_least(1), default=32, help="decode ticks timed in --overhead"),
+    option("--profile", action="store_true",
+           help="print a cProfile of decode ticks (default: no profile)"),
     option("--suite", choices=["docs"], default=None,
-           help="docs: the runs behind docs/benchmarks.md, and update that section"),
+           help="docs: the runs behind docs/benchmarks.md, and update that section "
+                "(default: the one run the other options describe)"),
     option("--out-dir", default="bench-results", help="where the JSON and HTML go"),
     option("--name", default=None, help="file name stem (default: bench-<time>)"),
-    option("--no-progress", dest="progress", action="store_false", help="no progress bar"),
+    option("--progress", action=argparse.BooleanOptionalAction, default=True,
+           help="a progress bar while the workload runs"),
 )
 
 
@@ -175,7 +180,8 @@ def overhead_line(ov: dict) -> str:
             f"outside the forward within the tick: {ov['outside_forward_pct']:.1f}%)")
 
 
-@experiment("serving", *OPTIONS)
+@experiment("serving", *OPTIONS, smallest=("-n", "2", "--prompt-len", "8", "--output-len", "3",
+                                          "--peers", "static", "--no-progress"))
 def serving(bench):
     """minserve against HF `generate` and HF continuous batching on one replayed workload."""
     a = bench.args
@@ -245,7 +251,7 @@ def docs_suite(bench) -> int:
     m2, ib = runs2[0].summary(), a.max_batch_size
     speed = ", ".join(f"**{c1[p]['speedup']:.2f}x** {p}" for p in c1 if p != "minserve"
                       and c1[p].get("speedup"))
-    cmd = "minserve bench --suite docs" + (f" -n {a.num_requests}" if a.num_requests != 40 else "")
+    cmd = ".venv/bin/minserve bench --suite docs" + (f" -n {a.num_requests}" if a.num_requests != 40 else "")
     bench.publish("serving-vs-peers", [f"""## minserve against its peers (`minserve bench`)
 
 Command: `{cmd}` (took {(time.perf_counter() - t_suite) / 60:.1f} min; JSON and plotly HTML

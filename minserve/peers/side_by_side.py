@@ -336,7 +336,7 @@ prompt on a prefill worker process; in brackets, its TTFT). Prompts as token ids
     md = f"""## Side by side over HTTP: minserve, vLLM CPU, Hugging Face's server
 
 {conditions.line()}.
-Command: `make peers-bench{' ARGS="' + shown + '"' if shown else ''}` (`python -m
+Command: `make peers-bench{' ARGS="' + shown + '"' if shown else ''}` (`.venv/bin/python -m
 minserve.peers.side_by_side --write`; took {minutes:.0f} min; server logs in `{args.out_dir}`).
 
 Each server runs alone on the same model folder (the converted SmolLM2-135M, fp32),

@@ -151,7 +151,9 @@ class BearerAuth:
 
     The keys are `ring.pairs` (keys.KeyRing), read once per request: a reload swaps
     them whole. Each refusal is a failure of the client's address (`guard.failed`); an
-    address over its budget gets 429 before its key is even compared (guard.py)."""
+    address over its budget gets 429 before its key is even compared (guard.py), unless
+    the key authenticated from that address before (`guard.known_good`): a student is
+    not locked out by a classmate's wrong key on the same NAT."""
 
     OPEN_PATHS = ("/health",)
     QUERY_KEY_NAMES = {"api_key", "api-key", "apikey", "key", "access_token", "token"}
@@ -161,14 +163,16 @@ class BearerAuth:
 
     def _refusal(self, scope) -> OpenAIError | None:
         host = (scope.get("client") or ("",))[0]
+        given = [v for k, v in scope["headers"] if k == b"authorization"]
+        scheme, _, token = (given[0] if len(given) == 1 else b"").strip().partition(b" ")
+        token = token.strip()
         wait = self.guard.retry_after(host) if self.guard is not None else None
-        if wait is not None:
+        if wait is not None and not self.guard.known_good(host, token):
             return OpenAIError(429, "too many requests without a valid API key from your "
                                     f"address; retry in {math.ceil(wait)} s",
                                "rate_limit_exceeded", code="too_many_auth_failures",
                                headers={"Retry-After": str(max(1, math.ceil(wait)))})
         err, found = None, None
-        given = [v for k, v in scope["headers"] if k == b"authorization"]
         query = parse_qsl(scope.get("query_string", b"").decode("latin-1"),
                           keep_blank_values=True)
         if any(name.lower() in self.QUERY_KEY_NAMES for name, _ in query):
@@ -179,8 +183,6 @@ class BearerAuth:
             err = OpenAIError(400, f"send one Authorization header, not {len(given)}",
                               code="duplicate_authorization")
         else:
-            scheme, _, token = (given[0] if given else b"").strip().partition(b" ")
-            token = token.strip()
             for key, tenant in self.ring.pairs:  # every key compared: no early exit to time
                 if hmac.compare_digest(token, key) and scheme.lower() == b"bearer":
                     found = tenant
@@ -192,6 +194,8 @@ class BearerAuth:
             if self.guard is not None:
                 self.guard.failed(host)
             return err
+        if self.guard is not None:
+            self.guard.good(host, token)  # compared even while others' guessing throttles
         scope.setdefault("state", {})["minserve_tenant"] = found
         return None
 

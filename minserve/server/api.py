@@ -53,7 +53,13 @@ from .errors import (
     rejection_response,
 )
 from .guard import ClientGuard
-from .limits import SHUTTING_DOWN, RequestLimits, ServerLimits, shutting_down_error
+from .limits import (
+    SHUTTING_DOWN,
+    ConnectionShare,
+    RequestLimits,
+    ServerLimits,
+    shutting_down_error,
+)
 from .schemas import (
     OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
@@ -65,7 +71,7 @@ from .schemas import (
 from .shapes import SSE_DONE, ResponseShaper, sse
 from .teacher import install_teacher_routes, usage_view
 from .tokenizing import PromptBound, TokenizerBudget, retry_seconds
-from .usage import UsageLedger
+from .usage import CLIENT_GONE, Delivery, UsageLedger
 
 __all__ = ["create_app", "rejection_response", "served_model_names", "OpenAIError"]
 
@@ -99,7 +105,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
                model_aliases: tuple[str, ...] = (), limits: ServerLimits | None = None,
                session_stats: bool = False, api_keys: dict[str, Any] | None = None,
                allow_priority: bool = False, keys_file: str | None = None,
-               trusted_proxies: str | None = None) -> FastAPI:
+               trusted_proxies: str | None = None, loopback_apart: bool = False) -> FastAPI:
     """The app. `manage_engine`: start the worker at startup and stop it at shutdown.
 
     `default_max_tokens` is used by chat requests that omit max_tokens
@@ -111,6 +117,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
     `keys_file`: where `api_keys` came from, read again on SIGHUP or POST /admin/reload-keys
     (keys.py). `trusted_proxies`: `--forwarded-allow-ips` (guard.py); the same value must
     reach uvicorn (`lifecycle.uvicorn_config` reads it from the app's state).
+    `loopback_apart`: count each loopback alias (127.0.0.2, ...) as its own address
+    (guard.py; by default all of loopback is one).
     """
     from .access import parse_api_keys
     from .keys import KeyRing
@@ -146,7 +154,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
         keys_file if tenants else None)
     app.state.ledger = ledger = UsageLedger()  # usage per tenant (usage.py, H7)
     app.state.trusted_proxies = trusted_proxies
-    app.state.guard = ClientGuard(limits, trusted_proxies, on_refused=ledger.refused_anonymous)
+    app.state.guard = ClientGuard(limits, trusted_proxies, on_refused=ledger.refused_anonymous,
+                                  loopback_apart=loopback_apart)
     app.state.tokenizer_budget = TokenizerBudget(limits.tokenizer_burst_s,
                                                  limits.tokenizer_s_per_s)
     app.state.prompt_bound = (PromptBound.for_tokenizer(engine.tokenizer)
@@ -158,6 +167,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
     app.add_middleware(RequestLimits, limits=limits, state=app.state,
                        post_paths=("/v1/completions", "/v1/chat/completions",
                                    "/scheduler/explain/"))
+    # a connection that passed the key check counts against its tenant, not its address
+    app.add_middleware(ConnectionShare, guard=app.state.guard, tenant_of=tenant_of)
     if app.state.keyring is not None:  # the check before anything but the access log
         app.add_middleware(BearerAuth, ring=app.state.keyring, guard=app.state.guard)
     # added last: the outermost, so it logs (and books) every answer, the 401s included
@@ -311,7 +322,8 @@ async def _generate(engine: Engine, request: Request, body: GenerationRequest, i
     except ValueError as e:
         raise bad_request(str(e), "prompt") from None
     handle.wait_for_worker()  # if the worker dies now, the loop below says so (503)
-    _book_when_done(request.app, engine, handle, tenant)
+    delivery = Delivery(tokens=0)  # what reaches the client: the ledger bills only that
+    _book_when_done(request.app, engine, handle, tenant, delivery)
     if not client_id:
         request.app.state.owners.add(engine_id, (tenant.name, session))
     engine_id = client_id or engine_id  # what the client is told (x-request-id)
@@ -324,36 +336,44 @@ async def _generate(engine: Engine, request: Request, body: GenerationRequest, i
             raise _final_error(first, retry_after_s)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = _sse_stream(first, events, handle, shaper, include_usage)
+            stream = _sse_stream(first, events, handle, shaper, include_usage, delivery)
             handed_off = True
-            return CancelOnCloseStream(stream, handle, headers={"x-request-id": engine_id})
+            return CancelOnCloseStream(stream, handle, delivery,
+                                       headers={"x-request-id": engine_id})
         await _unless_disconnected(request, _drain(events))
         out = handle.output
         if out.finish_reason == "error":
             raise _engine_error(handle)
+        delivery.tokens = None  # all of them, in the body
         return JSONResponse(shaper.final_body(out), headers={"x-request-id": engine_id})
     except ClientGone:  # nobody is listening; 499 is nginx's "client closed request"
-        return Response(status_code=499)
+        return Response(status_code=CLIENT_GONE)
     finally:
         if not handed_off:
             handle.cancel()  # no-op when finished; else evicted next tick, all released (H3)
+            delivery.done.set()
             await events.aclose()
 
 
 async def _sse_stream(first: StreamEvent, events: AsyncIterator[StreamEvent],
                       handle: RequestHandle, shaper: ResponseShaper,
-                      include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body: a chunk per text delta, the finish chunk, usage if asked, [DONE]."""
+                      include_usage: bool, delivery: Delivery) -> AsyncIterator[str]:
+    """The SSE body: a chunk per text delta, the finish chunk, usage if asked, [DONE].
+    `delivery.tokens`: the tokens whose text has gone to the client (a `yield` returns
+    once Starlette has handed the chunk to the socket), all of them at the end."""
     try:
         if shaper.kind == "chat":
             yield sse(shaper.chunk(role=True))
         if first.text:
             yield sse(shaper.chunk(first.text))
+            delivery.tokens = first.index + 1
         try:
             async for ev in events:
                 got = time.perf_counter()
                 if ev.text:
                     yield sse(shaper.chunk(ev.text))
+                    if ev.token_id is not None:
+                        delivery.tokens = ev.index + 1
                 if handle.spans is not None and ev.index >= 0:  # MINSERVE_SPANS (spans.py)
                     handle.spans.token_sent(handle.request_id, ev.index, got, time.perf_counter())
                 if ev.finish_reason is None:
@@ -368,6 +388,7 @@ async def _sse_stream(first: StreamEvent, events: AsyncIterator[StreamEvent],
             yield sse(e.body())
             yield sse(shaper.chunk(finish_reason="error"))
         yield SSE_DONE
+        delivery.tokens = None  # the stream ended whole: every token's text went out
     finally:
         handle.cancel()  # the client left mid-stream (or we are shutting down): H3
         await events.aclose()
@@ -382,10 +403,11 @@ class CancelOnCloseStream(StreamingResponse):
     this wrapper makes the cancel happen right away, every time.
     """
 
-    def __init__(self, content: AsyncIterator[str], handle: RequestHandle, **kw) -> None:
+    def __init__(self, content: AsyncIterator[str], handle: RequestHandle,
+                 delivery: Delivery, **kw) -> None:
         super().__init__(content, media_type="text/event-stream", **kw)
         self.headers["cache-control"] = "no-cache"
-        self.handle = handle
+        self.handle, self.delivery = handle, delivery
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -393,6 +415,7 @@ class CancelOnCloseStream(StreamingResponse):
         finally:
             self.handle.cancel()
             await self.body_iterator.aclose()
+            self.delivery.done.set()  # what reached the client is known: book it
 
 
 # ==================================================================== helpers
@@ -543,18 +566,22 @@ def session_header(request: Request) -> str | None:
     return given[0].decode("ascii")
 
 
-def _book_when_done(app, engine: Engine, handle: RequestHandle, tenant: Tenant) -> None:
-    """When the request ends (however the client left), book what it was served in the
-    usage ledger; a gate's refusal is booked by the access log, from the 429."""
+def _book_when_done(app, engine: Engine, handle: RequestHandle, tenant: Tenant,
+                    delivery: Delivery) -> None:
+    """When the request ends (however the client left) and its response is over, book
+    what it was served in the usage ledger: its prompt if computed, the tokens that
+    reached the client (`delivery`), the rest apart; a gate's refusal is booked by the
+    access log, from the 429."""
     async def book() -> None:
         try:
             async for _ in _while_worker_lives(engine, handle.__aiter__()):
                 pass
         except OpenAIError:  # the worker died: nothing more will be served
             return
+        await delivery.done.wait()
         out = handle.output
         if out is not None and out.rejection is None:
-            app.state.ledger.served(tenant.name, out)
+            app.state.ledger.served(tenant.name, out, delivery.tokens)
 
     task = asyncio.ensure_future(book())
     app.state.settling.add(task)

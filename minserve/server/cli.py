@@ -39,6 +39,7 @@ from ..config import (
     DTYPES,
     MODEL_RUNNERS,
     POLICIES,
+    RECLAIMS,
     SHARES,
     EngineConfig,
     PrefillMode,
@@ -70,7 +71,7 @@ SERVING_DEFAULTS: dict[str, Any] = {
     # a tick computes at most 2 chunks of prompt over all rows, split between tenants
     "max_prefill_tokens": 512}
 CHOICES = {"policy": POLICIES, "backend": BACKENDS, "dtype": DTYPES, "admission": ADMISSIONS,
-           "shares": SHARES,
+           "shares": SHARES, "reclaim": RECLAIMS,
            "model_runner": MODEL_RUNNERS, "decode_attention": DECODE_ATTENTIONS,
            "cuda_graphs": CUDA_GRAPHS,
            "prefill_mode": tuple(m.value for m in PrefillMode)}
@@ -138,30 +139,36 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="a JSON file mapping each API key to its tenant and grants, "
                           '{"KEY": {"tenant": "NAME", "may_set_priority": false, '
                           '"may_read_all_stats": false}} (docs/security.md); env '
-                          "MINSERVE_API_KEYS_FILE")
+                          "MINSERVE_API_KEYS_FILE; default: none, no keys (or --api-key's one)")
     srv.add_argument("--forwarded-allow-ips", default=None,
                      help="the reverse proxies whose X-Forwarded-For names the client (comma-"
                           "separated addresses or networks, or *; uvicorn's flag). Default: "
                           "none, the socket's address is the client's (docs/security.md)")
+    srv.add_argument("--loopback-addresses-apart", action="store_true",
+                     help="count each loopback address (127.0.0.2, 127.0.0.3, ...) as a client "
+                          "address of its own for the per-address limits (default: all of "
+                          "127.0.0.0/8 and ::1 count as one address, the server's own machine)")
     srv.add_argument("--allow-priority", action="store_true",
                      help="without --api-keys-file: let any client set 'priority' (default: "
                           "priority is a grant of a key in --api-keys-file)")
     srv.add_argument("--default-max-tokens", type=int, default=256,
                      help="chat requests that omit max_tokens get this many (completions "
-                          "keep OpenAI's 16); capped by the context left")
+                          "keep OpenAI's 16); capped by the context left (default: 256)")
     srv.add_argument("--retry-after", type=float, default=1.0,
-                     help="seconds sent in Retry-After on 429 refusals")
+                     help="seconds sent in Retry-After on 429 refusals (default: 1.0)")
     srv.add_argument("--model-alias", action="append", default=[],
-                     help="another name a request's 'model' may use (repeatable)")
+                     help="another name a request's 'model' may use (repeatable; default: "
+                          "none, only the model's own name)")
     srv.add_argument("--log-level", default="info",
-                     choices=["critical", "error", "warning", "info", "debug"])
+                     choices=["critical", "error", "warning", "info", "debug"],
+                     help="uvicorn's and the server's log level (default: info)")
     srv.add_argument("--session-stats", action="store_true",
                      help="show every session's counters on /scheduler/stats to any caller "
                           "(default: only with --api-key, or the caller's own session)")
     lim = p.add_argument_group("limits (ServerLimits; see docs/http_api.md)")
     for f in dataclasses.fields(ServerLimits):
         lim.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None,
-                         help=f"default {f.default!r}")
+                         help=f"default: {f.default!r}")
     add_engine_arguments(p, SERVING_DEFAULTS)
 
 
@@ -171,16 +178,38 @@ def env_name(knob: str) -> str:
     return "MINSERVE_" + knob.upper()
 
 
+# What an EngineConfig field's None (or "") does, for --help: "default None" says nothing
+# (config.py's comments, in a line each).
+UNSET_MEANS = {
+    "model": "the embedded SmolLM2",
+    "max_model_len": "the model's max_position_embeddings",
+    "max_rows_per_session": "no cap",
+    "kv_budget_tokens": "num_blocks x block_size",
+    "num_blocks": "derived from max_batch_size x max_model_len",
+    "prefill_mode": "derived from --prefill-chunk-size (0: monolithic, else chunked)",
+    "max_prefill_tokens": "no budget beyond each prefilling row's chunk",
+    "prefill_worker_threads": "half the cores, at least 1",
+}
+
+
+def default_words(name: str, default: Any) -> str:
+    """A knob's default as --help shows it: the value, or what leaving it unset does."""
+    if default is None or default == "":
+        return UNSET_MEANS[name]
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return repr(default) if isinstance(default, str) and name != "model" else str(default)
+
+
 def add_engine_arguments(p: argparse.ArgumentParser, defaults: dict[str, Any] | None = None
                          ) -> None:
     """A flag per EngineConfig field (`minserve serve`, `python app.py`); `defaults`: a
-    front end's own defaults, shown in --help."""
+    front end's own defaults, shown in --help (in words where a value would not say it)."""
     eng = p.add_argument_group("engine (EngineConfig; each also read from the environment)")
     for name, kind, default in engine_knobs():
         default = (defaults or {}).get(name, default)
         flag = "--" + name.replace("_", "-")
-        shown = "the embedded SmolLM2" if name == "model" and default is None else default
-        help_ = f"env {env_name(name)}; default {shown!r}"
+        help_ = f"env {env_name(name)}; default: {default_words(name, default)}"
         if kind is bool:
             eng.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         else:
@@ -266,6 +295,9 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
 
 def serve(args: argparse.Namespace) -> int:
     """The `serve` subcommand: build the engine, then run uvicorn until Ctrl-C / SIGTERM."""
+    from .lifecycle import EarlyHangup
+
+    early_hangup = EarlyHangup().install()  # a SIGHUP while the model loads: deferred
     try:
         config = engine_config_from_args(args, defaults=SERVING_DEFAULTS)
         settings = server_settings(args)
@@ -311,10 +343,11 @@ def serve(args: argparse.Namespace) -> int:
                      model_aliases=tuple(args.model_alias), limits=limits,
                      session_stats=args.session_stats, api_keys=api_keys,
                      allow_priority=args.allow_priority, keys_file=settings["api_keys_file"],
-                     trusted_proxies=args.forwarded_allow_ips)
+                     trusted_proxies=args.forwarded_allow_ips,
+                     loopback_apart=args.loopback_addresses_apart)
     try:
         MinserveServer(uvicorn_config(app, settings["host"], settings["port"], limits,
-                                      args.log_level)).run()
+                                      args.log_level), early_hangup).run()
     except KeyboardInterrupt:  # a second Ctrl-C during the drain: as uvicorn.run does
         pass
     return 0

@@ -1,4 +1,5 @@
-"""Before authentication: what one client address may hold and try (SPEC H7).
+"""Who a connection counts against: its address until it shows a valid key, then its
+tenant (SPEC H7).
 
 Until a request shows a valid key it is anonymous, so the only name a limit can
 use is the client's address. Without these limits one address could take every
@@ -7,15 +8,40 @@ connection slot with half-sent request lines (the server answered 503 to everyon
 (2,000 in 2.2 s):
 
     what                          limit (ServerLimits)            answer
-    open connections              max_connections_per_address    429 + Retry-After, closed
+    open connections that have    max_connections_per_address    beyond it: 2 s to show a
+    not shown a valid key                                        valid key, else 429 +
+                                                                 Retry-After (read, answered,
+                                                                 closed); beyond twice it:
+                                                                 429 at accept
+    connections that have shown   max_tenant_connection_share    429 too_many_connections_for
+    a tenant's valid key          of max_connections (a quarter) _tenant + Retry-After, closed
     requests without a valid key  auth_failures_burst at once,   429 too_many_auth_failures
     (401s, a key in the URL,      then auth_failures_per_s       + Retry-After, before the
     a header that never ends)                                    key is even compared
 
+Counted by key once a key is shown. A connection is counted against its address when
+it opens; the first request on it that shows a valid key of a tenant moves it to that
+tenant (`request_seen`): a class behind one NAT (or notebooks on the server's own
+machine) needs no flag, and a keyed flooder is capped as a tenant, whatever its
+addresses. The connection is named by its socket's (address, port), which the ASGI
+scope carries as `client`. A connection over its address's cap is not cut at accept
+(its client would see a transport error, not an answer an SDK reads): it gets the short
+header deadline of the health reserve (2 s), and its request is answered, 429 unless
+it shows a valid key.
+
+Loopback is one address. 127.0.0.0/8 and ::1 all reach the same machine: a student on
+the server's machine could otherwise bind 127.0.0.2, 127.0.0.3, ... and get a cap per
+alias. `loopback_apart=True` (`minserve serve --loopback-addresses-apart`) counts each
+alias apart, for tests that play several machines on one.
+
 While an address is throttled its requests are refused *before* the key is compared:
 otherwise a guess that happens to be right would still answer 200 and the guessing
-would go on at full speed. The cost: clients behind the same NAT as a guesser wait
-with it (raise the limits for a class behind one address; docs/security.md).
+would go on at full speed. One exception keeps a class behind one NAT working while
+one of them loops on a wrong key: a key that authenticated from this address in the
+last `GOOD_KEY_TTL_S` is compared (`known_good`). A guesser on that address could test
+guesses against those few keys at full speed, but a key is 192 random bits (`keys new`)
+or at least 16 characters of 8 kinds: the throttle slows guessing; the key's length is
+what defeats it. So a valid key waits at most for the throttle of its first request.
 
 The address is the socket's peer. Behind a reverse proxy the operator names the proxy
 (`--forwarded-allow-ips`, uvicorn's convention): uvicorn then takes the client from
@@ -29,9 +55,12 @@ memory once.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import logging
 import math
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -39,6 +68,9 @@ from dataclasses import dataclass
 
 LOG = logging.getLogger("minserve.guard")
 SUMMARY_EVERY_S = 10.0  # a throttled address gets one log line per this, not one per request
+GOOD_KEY_TTL_S = 3600.0  # a key that authenticated from an address is compared there this long
+LOOPBACK = "loopback"  # what 127.0.0.0/8 and ::1 count as, unless loopback_apart
+OK, OVER, REFUSE = "ok", "over", "refuse"  # what `connection_opened` answers
 
 
 @dataclass
@@ -50,20 +82,28 @@ class _Bucket:
 
 
 class ClientGuard:
-    """Per-address counts and throttles, shared by the HTTP protocol (connections, header
-    timeouts) and `BearerAuth` (failed authentications). One event loop touches it."""
+    """Per-address and per-tenant counts and throttles, shared by the HTTP protocol
+    (connections, header timeouts) and `BearerAuth` (keys shown, failed
+    authentications). One event loop touches it."""
 
     MAX_ADDRESSES = 10_000
 
     def __init__(self, limits, trusted_proxies: str | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 on_refused: Callable[[str, str], None] | None = None) -> None:
+                 on_refused: Callable[[str, str], None] | None = None,
+                 loopback_apart: bool = False) -> None:
         self.limits, self.clock = limits, clock
         self.trusted = parse_trusted(trusted_proxies)
+        self.loopback_apart = loopback_apart
         self.on_refused = on_refused  # (address, reason): the usage ledger's anonymous rows
-        self.open: dict[str, int] = {}
+        self.open: dict[str, int] = {}  # address -> open connections without a valid key
+        self.over: dict[str, int] = {}  # address -> of those, beyond its cap (2 s to key)
+        self.keyed: dict[str, int] = {}  # tenant -> open connections that showed its key
+        self.conns: dict[tuple, tuple[str, str]] = {}  # (host, port) -> ("address"|"over"|"tenant", name)
         self._failures: OrderedDict[str, _Bucket] = OrderedDict()
         self._warned: OrderedDict[str, float] = OrderedDict()
+        self._good: OrderedDict[tuple[str, bytes], float] = OrderedDict()
+        self._salt = secrets.token_bytes(16)  # keys are remembered as salted digests only
 
     # ---------------------------------------------------------------- addresses
     def is_trusted_proxy(self, host: str) -> bool:
@@ -75,43 +115,117 @@ class ClientGuard:
             return False
         return any(ip in net for net in self.trusted)
 
-    @staticmethod
-    def key(host: str) -> str:
-        """What an address is counted under: itself, or its /64 for IPv6."""
+    def key(self, host: str) -> str:
+        """What an address is counted under: itself, its /64 for IPv6, and every loopback
+        alias as one (`LOOPBACK`) unless `loopback_apart`."""
         try:
             ip = ipaddress.ip_address(host)
         except ValueError:
             return host
+        if ip.version == 6 and ip.ipv4_mapped is not None:  # ::ffff:1.2.3.4 is 1.2.3.4
+            ip = ip.ipv4_mapped
+        if ip.is_loopback and not self.loopback_apart:
+            return LOOPBACK
         if ip.version == 6:
-            if ip.ipv4_mapped is not None:  # ::ffff:1.2.3.4 is 1.2.3.4
-                return str(ip.ipv4_mapped)
             return str(ipaddress.ip_network(f"{ip}/64", strict=False))
         return str(ip)
 
+    @property
+    def tenant_cap(self) -> int:
+        """Connections one tenant's keys may hold open: its share of max_connections."""
+        return max(1, int(self.limits.max_tenant_connection_share * self.limits.max_connections))
+
     # ---------------------------------------------------------------- connections
-    def connection_opened(self, host: str) -> bool:
-        """False: this address already holds its cap of open connections (refuse it)."""
+    def connection_opened(self, peer: tuple) -> str:
+        """At accept. OK: counted against its address. OVER: its address already holds its
+        cap of connections without a valid key; it may show one within 2 s (the protocol
+        gives it the health reserve's header deadline), else its request gets 429. REFUSE:
+        twice the cap: answered 429 at once."""
+        host = peer[0]
         if self.is_trusted_proxy(host):
-            return True
-        k = self.key(host)
-        if self.open.get(k, 0) >= self.limits.max_connections_per_address:
-            self._warn_once(k, f"{k}: {self.open[k]} connections open, the cap per address "
-                               "(--max-connections-per-address); refusing more from it")
+            return OK
+        k, cap = self.key(host), self.limits.max_connections_per_address
+        n = self.open.get(k, 0)
+        if n >= 2 * cap:
+            self._warn_once(k, f"{k}: {n} connections open without a valid key, twice the "
+                               "cap per address (--max-connections-per-address); refusing "
+                               "more from it at accept")
             if self.on_refused:
                 self.on_refused(k, "connections")
+            return REFUSE
+        self.open[k] = n + 1
+        state = OVER if n >= cap else OK
+        if state is OVER:
+            self.over[k] = self.over.get(k, 0) + 1
+        self.conns[tuple(peer)] = ("over" if state is OVER else "address", k)
+        return state
+
+    def request_seen(self, peer: tuple | None, tenant: str | None,
+                     capped: bool = True) -> str | None:
+        """A request on connection `peer` passed authentication, for `tenant` (None: no
+        valid key was needed, a server without keys). Move the connection to the tenant's
+        count (`capped`: against its share; the one tenant of `--api-key` has none but
+        max_connections). Returns a refusal code, or None: "address" (an over-cap
+        connection with no key to show), "tenant" (the tenant holds its share)."""
+        where = self.conns.get(tuple(peer)) if peer else None
+        if where is None:  # behind a trusted proxy, or the socket was not counted
+            return None
+        kind, name = where
+        if tenant is None:
+            return "address" if kind == "over" else None
+        if kind == "tenant" and name == tenant:
+            return None
+        if capped and self.keyed.get(tenant, 0) >= self.tenant_cap:
+            self._warn_once(f"tenant {tenant}", f"tenant {tenant}: {self.keyed[tenant]} "
+                            "connections open, its share (--max-tenant-connection-share); "
+                            "refusing more of its requests (429)")
+            return "tenant"
+        self._uncount(where)
+        self.keyed[tenant] = self.keyed.get(tenant, 0) + 1
+        self.conns[tuple(peer)] = ("tenant", tenant)
+        return None
+
+    def still_over(self, peer: tuple) -> bool:
+        """The connection is beyond its address's cap and has shown no valid key: after
+        one answer it is closed."""
+        return self.conns.get(tuple(peer), ("",))[0] == "over"
+
+    def connection_closed(self, peer: tuple) -> None:
+        where = self.conns.pop(tuple(peer), None)
+        if where is not None:
+            self._uncount(where)
+
+    def _uncount(self, where: tuple[str, str]) -> None:
+        kind, name = where
+        table = self.keyed if kind == "tenant" else self.open
+        for t in (table, self.over) if kind == "over" else (table,):
+            n = t.get(name, 0) - 1
+            if n > 0:
+                t[name] = n
+            else:
+                t.pop(name, None)
+
+    # ---------------------------------------------------------------- keys that worked here
+    def _digest(self, token: bytes) -> bytes:
+        return hmac.new(self._salt, token, hashlib.sha256).digest()
+
+    def known_good(self, host: str, token: bytes) -> bool:
+        """`token` authenticated from this address within GOOD_KEY_TTL_S: it is compared
+        even while the address is throttled (see the module docstring)."""
+        k = (self.key(host), self._digest(token))
+        until = self._good.get(k)
+        if until is None or until < self.clock():
+            self._good.pop(k, None)
             return False
-        self.open[k] = self.open.get(k, 0) + 1
         return True
 
-    def connection_closed(self, host: str) -> None:
-        if self.is_trusted_proxy(host):
-            return
-        k = self.key(host)
-        n = self.open.get(k, 0) - 1
-        if n > 0:
-            self.open[k] = n
-        else:
-            self.open.pop(k, None)
+    def good(self, host: str, token: bytes) -> None:
+        """`token` just authenticated from `host`."""
+        k = (self.key(host), self._digest(token))
+        self._good[k] = self.clock() + GOOD_KEY_TTL_S
+        self._good.move_to_end(k)
+        while len(self._good) > self.MAX_ADDRESSES:
+            self._good.popitem(last=False)
 
     # ---------------------------------------------------------------- unauthenticated
     def _bucket(self, k: str) -> _Bucket:

@@ -1,9 +1,16 @@
 """The keys file: strict at load, reloaded without a restart, generated (SPEC H5, H7).
 
-    minserve keys new --tenants alice,bob --teacher teacher > keys.json
+    minserve keys new --tenants alice,bob --teacher teacher --output keys.json
     minserve serve --api-keys-file keys.json
-    minserve keys new --tenants dave --merge keys.json > k && mv k keys.json
+    minserve keys new --tenants dave --merge keys.json --in-place
     kill -HUP <pid>                      # or POST /admin/reload-keys with the teacher's key
+
+Never `minserve keys new --merge keys.json > keys.json`: the shell empties keys.json
+before the program runs, so there is nothing left to merge (it exits 2 and leaves the
+file empty, and the next restart of the server fails). `--output` and `--in-place`
+write a temporary file beside the target and rename it over the target (`write_keys`):
+a reader (a reload, a restart) sees the old file or the new one, never an empty or a
+half-written one.
 
 A keys file is read line by line in the sense that every refusal names the line that
 is wrong, and never a character of any key (an error message ends up in terminals,
@@ -27,8 +34,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
+import stat
 import sys
+import tempfile
 from typing import Any
 
 from .access import GRANTS, TENANT_NAME, Tenant, check_key, tenant_entry
@@ -153,19 +163,53 @@ def reload_message(summary: dict[str, Any], path: str) -> str:
             "get 401)")
 
 
+def write_keys(path: str, text: str) -> None:
+    """Replace the file at `path` with `text` in one step: written to a temporary file in
+    the same folder (owner-only: it holds secrets; an existing file's mode is kept),
+    flushed to disk, then renamed over `path`."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".keys-", suffix=".tmp", dir=folder)  # mode 0600
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(path):
+            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 # ------------------------------------------------------------------ minserve keys ...
 def add_keys_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="keys_cmd", required=True)
-    new = sub.add_parser("new", help="print a keys file with a strong new key per tenant")
+    new = sub.add_parser(
+        "new", help="make a keys file with a strong new key per tenant",
+        description="Print a keys file with a strong new key per tenant, or write it with "
+                    "--output FILE / --in-place. Do not redirect onto the file you --merge "
+                    "(`... --merge keys.json > keys.json`): the shell empties keys.json "
+                    "before this program runs. --output and --in-place write a temporary "
+                    "file and rename it, so the file is never empty or half-written.")
     new.add_argument("--tenants", required=True,
                      help="comma-separated tenant names (1-64 of letters, digits, '._-')")
     new.add_argument("--teacher", default=None,
                      help="one more tenant with every grant (priority, every tenant's stats, "
-                          "reloading keys)")
+                          "reloading keys) (default: none)")
     new.add_argument("--merge", default=None, metavar="FILE",
-                     help="start from this keys file (checked) and add the new tenants")
+                     help="start from this keys file (checked) and add the new tenants "
+                          "(default: start from nothing)")
+    new.add_argument("--output", default=None, metavar="FILE",
+                     help="write the keys file to FILE through a temporary file renamed over "
+                          "it, owner-only (default: print it to stdout; never redirect it "
+                          "onto the --merge file: the shell empties that file first)")
+    new.add_argument("--in-place", action="store_true",
+                     help="with --merge: write the result back to that file, as --output "
+                          "does (default: print to stdout)")
     check = sub.add_parser("check", help="check a keys file as `serve` and a reload would")
-    check.add_argument("file")
+    check.add_argument("file", help="the keys file, as given to --api-keys-file")
 
 
 def keys_command(args: argparse.Namespace) -> int:
@@ -177,6 +221,10 @@ def keys_command(args: argparse.Namespace) -> int:
                   "grants: " + "; ".join(f"{g}: {', '.join(sorted({t.name for t in keys.values() if getattr(t, g)})) or 'nobody'}"
                                          for g in GRANTS))
             return 0
+        if args.in_place and (not args.merge or args.output):
+            raise ValueError("--in-place writes back to the --merge file: give --merge FILE "
+                             "(and no --output)")
+        target = args.merge if args.in_place else args.output
         out: dict[str, Any] = {}
         if args.merge:
             load_api_keys(args.merge)  # refuse to build on a file serve would refuse
@@ -193,7 +241,13 @@ def keys_command(args: argparse.Namespace) -> int:
         for name in names:
             grants = TEACHER_GRANTS if name == args.teacher else {}
             out[new_key()] = {"tenant": name, **grants}
-    except ValueError as e:
+        if target:
+            write_keys(target, json.dumps(out, indent=1) + "\n")
+            tenants = {v["tenant"] for v in out.values()}
+            print(f"{target}: {len(out)} keys, {len(tenants)} tenants (added: "
+                  f"{', '.join(names)})", file=sys.stderr)
+            return 0
+    except (ValueError, OSError) as e:
         print(f"minserve keys: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(out, indent=1))

@@ -22,6 +22,9 @@ SIGHUP reloads the keys file (keys.py; before, it killed the server at once,
 exit 129, cutting every stream): the new keys work at once, removed ones get 401
 for new requests while the requests they already started finish, counters and
 usage stay; a file that is refused leaves the old keys, and says why in the log.
+A SIGHUP that comes before the server is up (while the model loads: the keys were
+read before it) is deferred, not fatal: `EarlyHangup` notes it in the log, and the
+keys file is read again once the server is up.
 
 The access log is minserve's own (accesslog.py: the tenant, never the key or the
 query string), so uvicorn's is off; and uvicorn believes `X-Forwarded-For` only
@@ -34,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import signal
+import sys
 import threading
 import time
 
@@ -67,12 +71,33 @@ def uvicorn_config(app, host: str, port: int, limits: ServerLimits,
                           proxy_headers=trusted is not None, forwarded_allow_ips=trusted)
 
 
+class EarlyHangup:
+    """SIGHUP before the server is up: deferred, never fatal (it killed `minserve serve`
+    during its model load, exit 129, without a word). `install()` at the start of `serve`;
+    the server takes over SIGHUP once up and reloads the keys then if one came
+    (`MinserveServer.startup`)."""
+
+    def __init__(self) -> None:
+        self.pending = False
+
+    def install(self) -> EarlyHangup:
+        if hasattr(signal, "SIGHUP") and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGHUP, self._noted)
+        return self
+
+    def _noted(self, signum, frame) -> None:
+        self.pending = True
+        print("SIGHUP while the server starts: deferred; the keys file is read again "
+              "once the server is up", file=sys.stderr, flush=True)
+
+
 class MinserveServer(uvicorn.Server):
     """uvicorn's server with a draining first SIGTERM (see the module docstring)."""
 
-    def __init__(self, config: uvicorn.Config) -> None:
+    def __init__(self, config: uvicorn.Config, early_hangup: EarlyHangup | None = None) -> None:
         super().__init__(config)
         self.draining = False
+        self.early_hangup = early_hangup
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets=None) -> None:
@@ -81,6 +106,9 @@ class MinserveServer(uvicorn.Server):
         if hasattr(signal, "SIGHUP") and threading.current_thread() is threading.main_thread():
             self._loop.add_signal_handler(signal.SIGHUP, self.reload_keys)
         await super().startup(sockets)
+        if self.early_hangup is not None and self.early_hangup.pending:
+            self.early_hangup.pending = False
+            self.reload_keys()  # the SIGHUP that came while the model loaded
 
     def reload_keys(self) -> None:
         """SIGHUP: read the keys file again (teacher.reload_keys logs what happened)."""

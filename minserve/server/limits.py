@@ -21,7 +21,10 @@ starve the whole service:
     open connections            `TimedH11Protocol`: max_connections +     503, OpenAI's shape
                                 HEALTH_RESERVE (room kept for /health:
                                 a reserve connection may only ask it)
-    connections per address     `TimedH11Protocol`, guard.py              429, closed
+    connections per address     `TimedH11Protocol`, guard.py: those that  429 + Retry-After, read
+                                have shown no valid key                   and answered, closed
+    connections per tenant      `ConnectionShare`, guard.py: those that   429 + Retry-After, closed
+                                have shown the tenant's key
     shutdown grace              `MinserveServer.handle_exit` (cli.py)     final chunk / 503
 
 Tokenising runs in a worker thread (the route awaits it), never on the event
@@ -51,8 +54,11 @@ class ServerLimits:
     keep_alive_s: int = 5  # an idle keep-alive connection is closed after this
     max_connections: int = 512  # requests in flight (and open connections); beyond: 503
     shutdown_grace_s: float = 30.0  # on SIGTERM, running requests may finish within this
-    # before authentication, per client address (guard.py, SPEC H7)
-    max_connections_per_address: int = 64  # open at once; a class behind one NAT: raise it
+    # before authentication, per client address (guard.py, SPEC H7): connections that have
+    # not shown a valid key (all of loopback counts as one address)
+    max_connections_per_address: int = 64
+    # after: the share of max_connections one tenant's keys may hold open (0.25: 128 of 512)
+    max_tenant_connection_share: float = 0.25
     auth_failures_burst: int = 20  # requests without a valid key before the throttle...
     auth_failures_per_s: float = 1.0  # ...then one more try per 1/this seconds
     # tokenizer time per tenant (tokenizing.py): a bucket of CPU seconds, refilled
@@ -64,6 +70,10 @@ class ServerLimits:
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"ServerLimits: {f.name}={v!r}; use a number > 0")
+        if self.max_tenant_connection_share > 1:
+            raise ValueError(f"ServerLimits: max_tenant_connection_share="
+                             f"{self.max_tenant_connection_share!r}; use a share of "
+                             "max_connections in (0, 1]")
 
 
 SHUTTING_DOWN = "the server is shutting down"
@@ -220,35 +230,42 @@ def timed_h11_protocol(header_timeout_s: float, max_connections: int | None = No
     closes the connection if the headers are not complete in time (counted against
     its address: `guard.failed`).
 
-    At accept: past max_connections + HEALTH_RESERVE, 503; past the address's own cap
-    (`guard`), 429. A connection in the reserve (past max_connections) is a health
-    check or nothing: its first bytes must be `GET /health` (or HEAD) within
-    HEALTH_HEADER_S, and it is closed after that one answer. Before, anyone could
-    hold the reserve idle, and /health answered 503 with the rest.
+    At accept: past max_connections + HEALTH_RESERVE, 503. Past the address's own cap of
+    connections without a valid key (`guard`): the connection may still show a key, within
+    the short header deadline of the reserve, and is answered either way (429 unless the
+    key moved it to its tenant: `ConnectionShare`), then closed; past twice that cap, 429
+    at once. A connection in the reserve (past max_connections) is a health check or
+    nothing: its first bytes must be `GET /health` (or HEAD) within HEALTH_HEADER_S, and
+    it is closed after that one answer. Before, anyone could hold the reserve idle, and
+    /health answered 503 with the rest.
     """
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from .guard import REFUSE
 
     class TimedH11Protocol(H11Protocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._header_timer = None
-            self._counted_as = None  # the host `guard` counts this connection under
+            self._counted_as = None  # the (host, port) `guard` counts this connection under
             self._health_only, self._head = False, b""
             self.limit_concurrency = None  # uvicorn's own 503 is plain text: ours is below
             open_now = len(self.connections)
             if max_connections is not None and open_now > max_connections + HEALTH_RESERVE:
                 self._refuse("503 Service Unavailable", too_busy(max_connections))
                 return
-            host = self.client[0] if self.client else None
-            if guard is not None and host is not None:
-                if not guard.connection_opened(host):
+            peer = tuple(self.client) if self.client else None
+            short = False
+            if guard is not None and peer is not None:
+                state = guard.connection_opened(peer)
+                if state == REFUSE:
                     self._refuse("429 Too Many Requests", too_many_from(
                         guard.limits.max_connections_per_address))
                     return
-                self._counted_as = host
+                self._counted_as, short = peer, guard.still_over(peer)
             self._health_only = max_connections is not None and open_now > max_connections
-            timeout = min(header_timeout_s, HEALTH_HEADER_S) if self._health_only \
+            timeout = min(header_timeout_s, HEALTH_HEADER_S) if (self._health_only or short) \
                 else header_timeout_s
             self._header_timer = self.loop.call_later(timeout, self._headers_too_slow)
 
@@ -276,8 +293,9 @@ def timed_h11_protocol(header_timeout_s: float, max_connections: int | None = No
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if self._health_only and not self.transport.is_closing():
-                self.transport.close()  # one health check per reserve connection
+            over = self._counted_as is not None and guard.still_over(self._counted_as)
+            if (self._health_only or over) and not self.transport.is_closing():
+                self.transport.close()  # one answer per reserve (or over-cap) connection
 
         def connection_lost(self, exc) -> None:
             if self._header_timer is not None:
@@ -300,9 +318,43 @@ def timed_h11_protocol(header_timeout_s: float, max_connections: int | None = No
 
 def too_many_from(limit: int) -> OpenAIError:
     return OpenAIError(429, f"your address already has {limit} connections open to this server "
-                            "(max_connections_per_address); close some, or retry in a moment",
+                            "without a valid API key (max_connections_per_address); send your "
+                            "key, close some, or retry in a moment",
                        "rate_limit_exceeded", code="too_many_connections_from_address",
-                       headers={"Retry-After": "1"})
+                       headers={"Retry-After": "1", "Connection": "close"})
+
+
+def too_many_for_tenant(limit: int) -> OpenAIError:
+    return OpenAIError(429, f"your API key's tenant already has {limit} connections open to "
+                            "this server (max_tenant_connection_share of max_connections); "
+                            "close some, or retry in a moment", "rate_limit_exceeded",
+                       code="too_many_connections_for_tenant",
+                       headers={"Retry-After": "1", "Connection": "close"})
+
+
+class ConnectionShare:
+    """Pure-ASGI middleware, inside `BearerAuth`: the request has shown a valid key (or
+    needs none), so its connection now counts against its tenant instead of its address
+    (`ClientGuard.request_seen`, guard.py). A tenant over its share of connections, or a
+    connection beyond its address's cap that has no key to show, gets 429 with
+    Retry-After and `Connection: close`: an answer the OpenAI SDK reads and retries,
+    never a bare close. `/health` is not counted."""
+
+    def __init__(self, app, guard, tenant_of) -> None:
+        self.app, self.guard, self.tenant_of = app, guard, tenant_of
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            tenant = self.tenant_of(scope)  # None: a server without keys
+            refused = self.guard.request_seen(
+                scope.get("client"), None if tenant is None else tenant.name,
+                capped=tenant is not None and tenant.scoped)  # --api-key: one tenant, no cap
+            if refused is not None:
+                err = (too_many_from(self.guard.limits.max_connections_per_address)
+                       if refused == "address" else too_many_for_tenant(self.guard.tenant_cap))
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def reserve_only(limit: int) -> OpenAIError:

@@ -5,8 +5,15 @@ The fair policy's counters are virtual time (a tenant served 472 tokens showed
 nobody. A teacher needs, at the end of a lab, per student:
 
     prompt_tokens, cached_prompt_tokens, output_tokens   what the engine served (the
-                                                         numbers in each response's usage)
-    requests_finished, finish_reasons                    stop / length / cancelled / error
+                                                         numbers in each response's usage);
+                                                         a prompt only if it was computed
+                                                         (or cached), a token only if it
+                                                         reached the client
+    output_tokens_not_delivered                          generated, but the client had hung
+                                                         up (not billed, shown apart)
+    requests_finished, finish_reasons                    stop / length / cancelled / error:
+                                                         a cancel is one event (the 499 of a
+                                                         client gone is no refusal)
     refused: gate, size, auth, rate, invalid             what each refusal was for
     preemptions, recomputed_tokens                       work the engine did twice for it
     tokenizer_s                                          CPU time spent tokenizing its prompts
@@ -20,10 +27,17 @@ and when a response is an error (`response`, from the access log middleware). Th
 engine keeps no per-tenant books: it needs none to schedule, and the server is where
 a tenant is known. Everything is updated on the event loop; `/scheduler/stats` reads
 it from a worker thread, hence the lock.
+
+What reached the client is the response's to say (`Delivery`): a stream counts the
+tokens whose text it has handed to the socket (a token whose character is not complete
+yet counts with the one that completes it), a JSON answer all or nothing, a client gone
+before its answer (499) nothing. The engine only stops generating at the tick after the
+hang-up is noticed; those tokens are `output_tokens_not_delivered`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import io
 import threading
@@ -39,7 +53,17 @@ RATE_CODES = {"tokenizer_budget", "too_many_auth_failures", "too_many_connection
 METERED_PATHS = ("/v1/completions", "/v1/chat/completions")
 CSV_COLUMNS = ("tenant", "prompt_tokens", "cached_prompt_tokens", "output_tokens",
                "requests_finished", *(f"refused_{r}" for r in REASONS), "preemptions",
-               "recomputed_tokens", "tokenizer_s")
+               "recomputed_tokens", "tokenizer_s", "output_tokens_not_delivered")
+CLIENT_GONE = 499  # nginx's "client closed request": a cancel, booked once as such
+
+
+@dataclass
+class Delivery:
+    """What of one request's output reached its client: `tokens` (None: all of them),
+    set by the response as it goes (api.py) and read when the request is booked."""
+
+    tokens: int | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)  # the response is over
 
 
 @dataclass
@@ -53,11 +77,13 @@ class TenantUsage:
     preemptions: int = 0
     recomputed_tokens: int = 0
     tokenizer_s: float = 0.0
+    output_tokens_not_delivered: int = 0
 
 
 def refusal_reason(status: int, code: str | None) -> str | None:
-    """The ledger's reason for an error response (None: not a refusal)."""
-    if status < 400 or status >= 500:
+    """The ledger's reason for an error response (None: not a refusal; a client that
+    went away, 499, cancelled its own request: booked once, as a cancel)."""
+    if status < 400 or status >= 500 or status == CLIENT_GONE:
         return None
     if code in RATE_CODES:
         return "rate"
@@ -85,13 +111,18 @@ class UsageLedger:
         return self._tenants.setdefault(tenant, TenantUsage())
 
     # ---------------------------------------------------------------- fed by the server
-    def served(self, tenant: str, out) -> None:
-        """A request that ran (any finish but a gate's refusal): its RequestOutput."""
+    def served(self, tenant: str, out, delivered: int | None = None) -> None:
+        """A request that ran or was cancelled (any end but a gate's refusal): its
+        RequestOutput, and how many of its tokens reached the client (None: all)."""
+        made = len(out.token_ids)
+        got = made if delivered is None else min(made, delivered)
         with self._lock:
             row = self._row(tenant)
-            row.prompt_tokens += len(out.prompt_token_ids)
+            row.prompt_tokens += getattr(out, "num_prompt_tokens_processed",
+                                         len(out.prompt_token_ids))
             row.cached_prompt_tokens += out.num_cached_tokens
-            row.output_tokens += len(out.token_ids)
+            row.output_tokens += got
+            row.output_tokens_not_delivered += made - got
             row.requests_finished += 1
             reason = out.finish_reason or "unknown"
             row.finish_reasons[reason] = row.finish_reasons.get(reason, 0) + 1
@@ -152,5 +183,6 @@ class UsageLedger:
         for name, r in sorted(self.view(tenants, anonymous=False)["tenants"].items()):
             w.writerow([name, r["prompt_tokens"], r["cached_prompt_tokens"], r["output_tokens"],
                         r["requests_finished"], *(r["refused"][x] for x in REASONS),
-                        r["preemptions"], r["recomputed_tokens"], r["tokenizer_s"]])
+                        r["preemptions"], r["recomputed_tokens"], r["tokenizer_s"],
+                        r["output_tokens_not_delivered"]])
         return buf.getvalue()
