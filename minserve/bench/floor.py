@@ -171,13 +171,13 @@ def floor(bench):
         if B == 1 and "serve" in a.paths:
             bench.record({"floor.batch1_ms": round(f["floor"], 1),
                           "floor.serve_batch1_ratio": round(t["serve"] / f["floor"], 2)},
-                         f"minserve bench floor --threads {a.threads}")
+                         f".venv/bin/minserve bench floor --threads {a.threads}")
     names = {**{p: PATHS[p][0] for p in PATHS}, "hf": "HF static generate's step"}
     read = ", ".join(f"{r:.1f}" for r, _ in rates)
     gemm = ", ".join(f"{g:.0f}" for _, g in rates)
     bench.publish(f"floor-threads{a.threads}", [
         "## The floor: a decode step against what the machine allows", "",
-        f"`minserve bench floor --threads {a.threads}`: the embedded SmolLM2-135M, fp32, "
+        f"`.venv/bin/minserve bench floor --threads {a.threads}`: the embedded SmolLM2-135M, fp32, "
         f"B rows of {a.context} random tokens each (prefix caching off), {a.ticks} rounds "
         "of pure decode ticks, every path and both of the machine's rates interleaved, "
         f"medians. This machine, at {a.threads} thread(s): read {read} GB/s (a 256 MB "

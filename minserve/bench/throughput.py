@@ -108,7 +108,7 @@ def decode_throughput(bench):
     paths = "; ".join(f"{p}: {THROUGHPUT_PATHS[p][0]}" for p in bench.args.paths)
     bench.publish("core-throughput", [
         "## Engine core: decode throughput vs HF `generate`", "",
-        f"`minserve bench decode-throughput{threads}` — embedded SmolLM2-135M, fp32, {n} new "
+        f"`.venv/bin/minserve bench decode-throughput{threads}` — embedded SmolLM2-135M, fp32, {n} new "
         "tokens per request (EOS ignored), mixed prompt lengths 8–200, monolithic prefill, "
         f"one static batch on both sides, prefill included. Paths: {paths}.", "",
         *md_table(["batch", "HF generate tok/s", *(h for p in bench.args.paths for h in (

@@ -118,7 +118,7 @@ def served_token(bench):
     flags = f' --minserve-args "{a.minserve_args}"' if a.minserve_args else ""
     bench.publish("served-token", [
         "## Where a served token's time goes", "",
-        f"`minserve bench served-token --rate {a.rate:g} -d {a.duration_s:g}{flags}`: "
+        f"`.venv/bin/minserve bench served-token --rate {a.rate:g} -d {a.duration_s:g}{flags}`: "
         "`minserve serve` with its defaults and `MINSERVE_SPANS` (minserve/spans.py; the "
         f"server said: {s['engine'].rstrip('.')}), "
         "side_by_side's chat-service workload from one streaming client without `user` "
@@ -138,4 +138,4 @@ def served_token(bench):
                   "served.cycle_ms": round(1e3 * s["cycle_s"], 1),
                   "served.forward_share_pct": round(100 * s["per_token_s"].get("forward", 0)
                                                     / (s["cycle_s"] or 1), 1)},
-                 "minserve bench served-token")
+                 ".venv/bin/minserve bench served-token")
