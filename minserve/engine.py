@@ -40,7 +40,8 @@ from .records import TickRecord
 from .request import Request, RequestOutput
 from .sampling import SamplingParams, make_generator
 from .scheduler import Scheduler
-from .streaming import RequestHandle
+from .spans import Spans, from_env
+from .streaming import RequestHandle, Waker
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 DEFAULT_MAX_CONTEXT_FOR_BLOCKS = 1024  # tokens per row assumed when deriving num_blocks
@@ -132,6 +133,10 @@ class Engine:
         self._wake = threading.Event()
         self.last_tick_at: float | None = None  # time.time() of the worker's last loop
         self.trace: list[TickRecord] | None = None  # set to [] to record every tick
+        # async readers' wakes: the worker sends them between ticks (streaming.Waker)
+        self.waker = Waker()
+        self.spans: Spans | None = None  # where each tick's and token's time goes (spans.py)
+        self.set_spans(from_env())  # MINSERVE_SPANS=FILE turns them on; off by default
 
     # ================================================================ inputs
     def _eos_ids(self) -> tuple[int, ...]:
@@ -194,7 +199,8 @@ class Engine:
         req.generator = make_generator(sampling.seed if sampling.seed is not None
                                        else self.config.seed * 1_000_003 + seq)
         req.handle = RequestHandle(req.request_id, self.cancel, self.tokenizer, sampling.stop,
-                                   drive=self._drive_step_mode)
+                                   drive=self._drive_step_mode, spans=self.spans,
+                                   waker=self.waker)
         return req
 
     # ================================================================ public API
@@ -226,7 +232,11 @@ class Engine:
         return True
 
     def step(self) -> TickRecord:
-        """One tick (T1..T4). In serving mode the worker calls this; don't call it yourself then."""
+        """One tick (T1..T4). In serving mode the worker calls this; don't call it yourself
+        then. The worker's records leave out the state after the tick unless a trace is
+        kept (`Scheduler.snapshot_ticks`); step mode's always have it (T6)."""
+        self.scheduler.snapshot_ticks = (self.trace is not None
+                                         or threading.current_thread() is not self._worker)
         rec = self.scheduler.step()
         if self.trace is not None:
             self.trace.append(rec)
@@ -257,6 +267,11 @@ class Engine:
             else:
                 self.step()
         return [r.handle.output for r in reqs]
+
+    def set_spans(self, spans: Spans | None) -> None:
+        """Time each tick's phases and each token's way to its client from now on
+        (spans.py; requests submitted from now on), or stop (None)."""
+        self.spans = self.scheduler.spans = spans
 
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats()
@@ -298,6 +313,8 @@ class Engine:
         if self._worker is not None:
             self._worker.join(timeout)
         self._worker = None
+        if self.spans is not None and self.spans.path is not None:  # MINSERVE_SPANS=FILE
+            self.spans.dump()
 
     def close(self) -> None:
         """Stop the worker thread and, if there is one, the prefill worker process."""
@@ -306,9 +323,17 @@ class Engine:
             self.scheduler.remote.close()
 
     def _run(self) -> None:
+        self.waker.hold()  # async readers are woken between ticks (streaming.Waker)
+        try:
+            self._loop()
+        finally:
+            self.waker.release()
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             self.last_tick_at = time.time()  # heartbeat: a stuck worker stops updating it
             try:
+                self.waker.flush()  # the last tick's tokens, as this tick's forward begins
                 if not self.scheduler.has_work():
                     self._wake.wait(timeout=0.1)
                     self._wake.clear()

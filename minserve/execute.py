@@ -180,6 +180,7 @@ def run_decode(s, rows: list[Request], planned: list[tuple[Request, dict]],
     feed = [r.output_token_ids[-1] for r in rows]
     pieces = [(r, c["start"], c["end"]) for r, c in planned]
     rec.positions = {r.request_id: r.num_tokens - 1 for r in rows}
+    s._mark("setup")
     try:
         if pieces:  # Version B: decode rows and prompt pieces, ONE forward
             logits, piece_logits = s.backend.forward_mixed(rows, feed, pieces)
@@ -190,14 +191,17 @@ def run_decode(s, rows: list[Request], planned: list[tuple[Request, dict]],
         for req in rows + [r for r, _ in planned]:
             failures.fail_row(s, req, "decode forward", e, rec.failed)
         return
+    s._mark("forward")
     for i, done in post_pieces(s, pieces, piece_logits, rec.failed):
         planned[i][1]["first_token"] = done["first_token"]
         if done["final"]:
             s._planned_record.promoted.append(done["request_id"])
+    s._mark("chunks")
     try:
         tokens = sample(s, rows, logits)
     except Exception as e:  # the one sampling call failed: every row it carried
         tokens = [e] * len(rows)
+    s._mark("sample")
     for req, tok in zip(rows, tokens):
         try:
             post_token(s, req, tok)
@@ -212,6 +216,7 @@ def run_decode(s, rows: list[Request], planned: list[tuple[Request, dict]],
         rec.tokens[req.request_id] = tok
         if req.finish_reason is not None:
             rec.finished[req.request_id] = req.finish_reason.value
+    s._mark("post")
 
 
 def sample(s, reqs: list[Request], logits) -> list:

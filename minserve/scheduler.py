@@ -83,6 +83,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every request not yet finished
         self.active_kv_reserved = 0  # R1
         self.tick_count = 0
+        # end_tick copies the state after each tick into its record (T6). A serving worker
+        # that keeps no trace turns it off (Engine.step): nobody reads that copy, and at
+        # 2,048 blocks it cost ~2 ms a tick.
+        self.snapshot_ticks = True
         self.lock = threading.RLock()  # the backend lock: held for a whole tick
         self.queue_lock = threading.RLock()  # guards the policy (pending) and `requests`
         # counters for stats (G5)
@@ -108,6 +112,9 @@ class Scheduler:
         # prefill_mode="disaggregated": the prefill worker's handle (disagg/connector.py),
         # set by the engine. T2 sends prompts to it and polls it instead of computing them.
         self.remote = None
+        # where a served token's time goes (spans.py, set by the engine when MINSERVE_SPANS
+        # asks): each tick's phases timed. None: off, one `is None` check per phase.
+        self.spans = None
 
     # ================================================================= entry points
     def submit(self, req: Request) -> Rejection | None:
@@ -160,18 +167,38 @@ class Scheduler:
         """One tick: the four phases in SPEC order (T5), under the backend lock."""
         with self.lock:
             t0 = time.perf_counter()
+            if self.spans is not None:
+                self.spans.tick_started()
             admit = self.admit_pending()
+            self._mark("admit")
             prefill = self.advance_prefill_chunk()
+            self._mark("prefill")
             evict = self.evict_finished()
-            decode = self.decode_step()
-            return self.end_tick(admit, prefill, evict, decode, time.perf_counter() - t0)
+            self._mark("evict")
+            decode = self.decode_step()  # marks its parts (execute.run_decode)
+            rec = self.end_tick(admit, prefill, evict, decode, time.perf_counter() - t0)
+            if self.spans is not None:
+                self.spans.mark("record")
+                self.spans.tick_ended(len(decode.rows), sum(rec.forwards))
+            return rec
+
+    def _mark(self, phase: str) -> None:
+        """`phase` of this tick ends now, for `spans` when they are on."""
+        if self.spans is not None:
+            self.spans.mark(phase)
 
     def end_tick(self, admit: AdmitRecord, prefill: PrefillRecord, evict: EvictRecord,
                  decode: DecodeRecord, duration_s: float = 0.0) -> TickRecord:
         """Close a tick whose phases ran (by `step`, or one by one in step mode): count
-        it and return its record."""
+        it and return its record. With `snapshot_ticks` off, the phase records only,
+        without the copy of the queues, block pool and policy after the tick."""
         self.tick_count += 1
-        rec = records.snapshot(self, admit, prefill, evict, decode, duration_s, tick=self.tick_count)
+        if self.snapshot_ticks:
+            rec = records.snapshot(self, admit, prefill, evict, decode, duration_s,
+                                   tick=self.tick_count)
+        else:
+            rec = TickRecord(self.tick_count, admit, prefill, evict, decode,
+                             active_kv_reserved=self.active_kv_reserved, duration_s=duration_s)
         rec.forwards, self.forwards = self.forwards, []
         return rec
 

@@ -35,7 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "minserve"
 # The engine's front: package-top modules that are not the design itself (see above).
-FRONT = ("__init__.py", "__main__.py", "engine.py", "explain.py", "models.py", "streaming.py")
+FRONT = ("__init__.py", "__main__.py", "engine.py", "explain.py", "models.py", "spans.py",
+         "streaming.py")
 FAST = "fast"  # the subpackage of opt-in faster paths
 
 

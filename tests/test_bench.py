@@ -387,6 +387,40 @@ def test_bench_list_names_every_experiment_once_with_its_line(capsys):
     assert all(len(ln.split(None, 1)[1]) > 20 for ln in lines)
 
 
+# ============================================================== the floor
+def test_a_decode_steps_bytes_and_flops_are_counted_from_the_model(tiny_model):
+    """tiny_llama: 2 layers of E=64, I=128, 4 heads over 2 KV heads of D=16, V=256."""
+    from minserve.bench.floor import floor_ms, step_cost
+
+    per_layer = 64 * 64 + 2 * (64 * 32) + 64 * 64 + 3 * (64 * 128)  # q, k+v, o, gate+up+down
+    params = 2 * per_layer + 256 * 64  # + the output head
+    cost = step_cost(tiny_model, batch=3, context=10)
+    assert cost["weights_bytes"] == 4 * params
+    assert cost["kv_bytes"] == 3 * 10 * (2 * 2 * 2 * 16 * 4)  # K+V, layers, KV heads, D, fp32
+    assert cost["flops"] == 2 * params * 3 + 4 * 3 * 10 * 4 * 16 * 2
+    f = floor_ms(cost, read_gbs=1.0, gflops=100.0)  # ms: bytes / 1 GB/s, flops / 100 GFLOP/s
+    assert f["bandwidth"] == pytest.approx((cost["weights_bytes"] + cost["kv_bytes"]) / 1e6)
+    assert f["compute"] == pytest.approx(cost["flops"] / 1e8)
+    assert f["floor"] == max(f["bandwidth"], f["compute"]) == f["bandwidth"]
+    assert floor_ms(cost, 1000.0, 1.0)["floor"] == pytest.approx(cost["flops"] / 1e6)
+
+
+def test_floor_puts_every_path_beside_the_floor_of_each_batch(capsys):
+    from minserve.__main__ import main
+
+    assert main(["bench", "floor", "--tiny", "--batch", "1", "2", "--context", "12",
+                 "--ticks", "2", "--no-docs"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"read [\d.]+, [\d.]+ GB/s .* matmul [\d.]+, [\d.]+ GFLOP/s", out)
+    paths, parts = out.split("its C parts added one at a time")
+    row = r"^\| ([12]) \| [\d.]+ \| (.*x\)) \|$"  # batch | floor | "ms (ratio x)" cells
+    for table, cells in ((paths, 4), (parts, 3)):  # readable, compact, serve, hf; 3 variants
+        rows = re.findall(row, table, re.M)
+        assert [b for b, _ in rows] == ["1", "2"], table
+        for _, found in rows:
+            assert len(re.findall(r"[\d.]+ \([\d.]+x\)", found)) == cells, found
+
+
 # ============================================================== the timing discipline
 def test_interleave_rotates_the_order_and_keeps_the_warmup_off_the_record():
     from minserve.bench.timing import interleave

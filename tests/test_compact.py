@@ -14,6 +14,7 @@ import torch
 
 from minserve import EngineConfig, SamplingParams
 from minserve.backends.paged import PagedBackend, PagedForward
+from minserve.fast import decode_kernel
 from minserve.fast.compact import CompactLlama, Linear
 from minserve.kv_cache import BlockManager
 
@@ -112,14 +113,15 @@ def test_auto_runner_is_compact_where_it_runs_the_model_and_hf_elsewhere():
     assert EngineConfig(backend="padded", model_runner="auto").backend == "padded"
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5])  # 1, 2: the C loop; 5: oneDNN
 @pytest.mark.parametrize("bias", [False, True])
-def test_prepacked_linear_computes_what_f_linear_computes(bias):
+def test_prepacked_linear_computes_what_f_linear_computes(bias, rows):
     torch.manual_seed(0)
-    w, b, x = torch.randn(48, 32), torch.randn(48) if bias else None, torch.randn(5, 32)
-    lin = Linear(w, b)
+    w, b, x = torch.randn(48, 32), torch.randn(48) if bias else None, torch.randn(rows, 32)
+    lin = Linear(w, b, decode_kernel.load())
     assert lin.packed is not None or not torch.backends.mkldnn.is_available()
     torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    xt = x.t().contiguous().t()  # (5, 32), not contiguous
+    xt = x.t().contiguous().t()  # (rows, 32), not contiguous
     torch.testing.assert_close(lin(xt), lin(x))
     plain = Linear(w.double(), None if b is None else b.double())  # no oneDNN: F.linear
     assert plain.packed is None and plain(x.double()).dtype == torch.float64
@@ -159,7 +161,8 @@ def test_compact_bench_times_pure_decode_ticks_of_both_runners():
 
 
 def test_linear_bench_times_the_same_products_both_ways():
-    """The linear benchmark's plain weights are the prepacked ones unpacked: same math."""
+    """The linear benchmark's plain weights are the ones each Linear multiplies: same math,
+    timed by F.linear, oneDNN and (up to its row count) the C loop."""
     from minserve.bench.forward import linear_times, weight_pairs
 
     runner = CompactLlama(tiny("llama"), max_model_len=64)
@@ -168,5 +171,6 @@ def test_linear_bench_times_the_same_products_both_ways():
     for w, lin in pairs:
         x = torch.randn(3, lin.shape[1])
         torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
-    r = linear_times(runner, B=2, rounds=1)
-    assert set(r) == {"F.linear", "prepacked"} and min(r.values()) > 0
+    r = linear_times(runner, B=2, rounds=1, c_rows=2)
+    assert set(r) == {"F.linear", "prepacked", "C"} and min(r.values()) > 0
+    assert set(linear_times(runner, B=3, rounds=1, c_rows=2)) == {"F.linear", "prepacked"}

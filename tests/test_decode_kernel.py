@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minserve import EngineConfig, SamplingParams
 from minserve.backends.kv_storage import KVBlockStorage
@@ -15,6 +17,7 @@ from minserve.fast import decode_kernel
 from minserve.models import tiny_llama
 
 from .conftest import hf_greedy, make_engine, run_checked
+from .test_architectures import tiny
 from .test_oracle import TINY_PROMPTS
 
 
@@ -61,6 +64,102 @@ def test_kernel_never_reads_a_block_outside_the_pool():
         PagedForward.build_rows(storage, [([0, 8], 5, 1)], decode_kernel.load())
 
 
+# ------------------------------------------------------------ a few rows' matmuls and norms
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 6), n_out=st.integers(1, 40), n_in=st.integers(1, 70),
+       bias=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_rows_linear_computes_f_linear_for_any_shape_and_thread_count(rows, n_out, n_in, bias,
+                                                                      threads, seed):
+    """decode_kernel.c's `rows_linear` (what compact.Linear runs for one or two rows) is
+    F.linear to float rounding: any row count (4 per pass, then the rest), widths that are
+    no multiple of its 16-float steps (the scalar tail), threads splitting the outputs."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, n_in, generator=g), torch.randn(n_out, n_in, generator=g)
+    b = torch.randn(n_out, generator=g) if bias else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = decode_kernel.load().linear(x, w, b)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_in_c_is_hf_llama_rms_norm():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(76, eps=1e-5)  # 76: no multiple of 8, the scalar tail too
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(3, 76) * 4
+    with torch.no_grad():
+        want = norm(x)
+    torch.testing.assert_close(decode_kernel.load().rms_norm(x, norm.weight.detach(), 1e-5), want,
+                               rtol=1e-6, atol=1e-6)
+
+
+# -------------------------------------------------- a decode step of a few rows, all in C
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("B", [1, 3])
+def test_a_decode_step_in_c_is_the_compact_forward_of_those_rows(family, B):
+    """`CompactLlama.decode_in_c` (every layer in one C call) computes what the compact
+    forward's Python loop computes for the same rows: the logits to float rounding, and
+    the same K/V written into the pool."""
+    from minserve.backends.paged import PagedBackend
+    from minserve.fast.compact import CompactLlama
+    from minserve.kv_cache import BlockManager
+
+    model = tiny(family)
+    kernel = decode_kernel.load()
+    runner = CompactLlama(model, max_model_len=64, kernel=kernel)
+    backends = [PagedBackend(model, BlockManager(16, 8, False), runner=runner, kernel=kernel)
+                for _ in range(2)]
+    tables = [[1, 2, 3], [4, 5, 6], [7, 8, 9]][:B]
+    g = torch.Generator().manual_seed(B)
+    prompt = torch.randint(0, 256, (B, 13), generator=g)
+    decode_ids = torch.randint(0, 256, (B, 1), generator=g)
+    decode_pos = torch.full((B, 1), 13)
+    got = []
+    for b, in_c in zip(backends, (True, False)):
+        b._run(prompt, torch.arange(13).repeat(B, 1), PagedForward.build(b.storage, tables,
+               torch.arange(13).repeat(B, 1), kernel), 13)  # the same history in both pools
+        ctx = PagedForward.build(b.storage, tables, decode_pos, kernel)
+        assert runner._in_c(ctx, B, 1, 1)
+        got.append(runner.forward(decode_ids, decode_pos, ctx, 1) if in_c
+                   else _python_forward(runner, decode_ids, decode_pos, ctx))
+    assert got[0].shape == got[1].shape == (B, 1, model.config.vocab_size)
+    torch.testing.assert_close(got[0], got[1], rtol=1e-4, atol=1e-4)
+    for layer in range(model.config.num_hidden_layers):  # the new token's K/V, in both pools
+        for mine, theirs in zip(backends[0].storage.flat(layer), backends[1].storage.flat(layer)):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_the_serve_path_runs_its_small_steps_in_c_and_gives_hf_generate_tokens(tiny_model):
+    """Batches of one to three rows go through `decode_in_c` (prompt chunks and larger
+    batches through the Python loop) and every request still gets HF's greedy tokens."""
+    engine = make_engine(tiny_model, backend="paged", model_runner="compact",
+                         decode_attention="kernel", prefill_mode="mixed_batch",
+                         prefill_chunk_size=5, max_batch_size=3, block_size=8)
+    runner, calls = engine.scheduler.backend.runner, []
+    real = runner.decode_in_c
+    runner.decode_in_c = lambda ids, *a: calls.append(ids.shape[0]) or real(ids, *a)
+    prompts = [TINY_PROMPTS[i] for i in (2, 4, 6, 8)]  # 24, 12, 16, 20 tokens out
+    handles = [engine.submit(p, SamplingParams(max_tokens=n)) for p, n in prompts]
+    run_checked(engine)
+    assert set(calls) == {1, 2, 3}  # steps of one, two and three rows ran in C
+    for (prompt, n), h in zip(prompts, handles):
+        assert h.output.token_ids == hf_greedy(tiny_model, prompt, n), prompt
+
+
+def _python_forward(runner, ids, positions, ctx):
+    """The compact forward's Python loop for a step `decode_in_c` would take."""
+    runner._in_c = lambda *a: False
+    try:
+        return runner.forward(ids, positions, ctx, 1)
+    finally:
+        del runner._in_c
+
+
 @pytest.mark.parametrize("cfg", [
     pytest.param(dict(enable_prefix_caching=True), id="paged+prefix"),
     pytest.param(dict(prefill_chunk_size=3), id="paged+chunked3"),
@@ -92,6 +191,31 @@ def test_kernel_on_smollm2_gives_hf_generate_tokens(real_model, real_oracle):
     run_checked(engine)
     for p, h in zip(prompts, handles):
         assert h.output.token_ids == real_oracle(p, 14)
+
+
+@pytest.mark.real_model
+def test_serve_path_steps_of_one_to_three_rows_on_smollm2_give_hf_generate_tokens(real_model,
+                                                                                 real_oracle):
+    """`minserve serve`'s path on the real model where a lone stream or a few run: steps
+    of one, two and three rows (`CompactLlama.STEP_IN_C_ROWS`), every layer in C
+    (`decode_in_c`), token for token HF's. The fourth prompt waits for a row, so steps of
+    three rows, then two, then one all run."""
+    model, tokenizer = real_model
+    engine = make_engine(model, tokenizer, backend="paged", model_runner="compact",
+                         decode_attention="kernel", max_batch_size=3)
+    runner, calls = engine.scheduler.backend.runner, []
+    real = runner.decode_in_c
+    runner.decode_in_c = lambda ids, *a: calls.append(ids.shape[0]) or real(ids, *a)
+    prompts = [tokenizer(t)["input_ids"] for t in (
+        "The three primary colours are", "import numpy as np\n\ndef mean(xs):",
+        "In 1969, the first people to walk on the Moon", "Water boils at")]
+    lengths = (20, 9, 14, 6)
+    handles = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True))
+               for p, n in zip(prompts, lengths)]
+    run_checked(engine)
+    assert set(calls) == {1, 2, 3}
+    for p, h, n in zip(prompts, handles, lengths):
+        assert h.output.token_ids == real_oracle(p, n)
 
 
 def test_kernel_is_refused_where_it_cannot_run(tiny_model):

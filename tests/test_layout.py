@@ -15,7 +15,7 @@ import is still an arrow) is read with `ast`, resolved to a module, and checked:
 * the core imports only the core: it reads on its own, without the front;
 * the front imports the core, itself, `fast` and `disagg` (the engine builds its parts);
 * each outer layer imports the core, the front and what its `__init__` allows (and a
-  command, bench/cli.py, the one experiment of the layer above that it lists);
+  command, bench/cli.py, the experiments of the layer above that it lists);
 * the module graph has no cycle (a package's `__init__` counts as a module).
 """
 
@@ -35,9 +35,10 @@ ALLOWED = {"server": set(), "inspection": set(), "chat": {"inspection", "server"
            "bench": {"chat", "fast", "figures"}, "peers": {"bench"}, "labs": {"bench"},
            "figures": set(), "fast": set(), "disagg": {"fast"}}
 # A command lists what the layers declare. `minserve bench` (bench/cli.py) also lists the
-# experiment peers/ declares (`serving`, minserve beside its peers): that one module may
-# import that one module of peers/, and nothing else of bench/ may.
-COMMAND_EXTRA = {"minserve.bench.cli": {"minserve.peers.serving"}}
+# experiments peers/ declares (`serving`, minserve beside its peers; `served-token`,
+# minserve serve timed with the peers' client): that one module may import those two
+# modules of peers/, and nothing else of bench/ may.
+COMMAND_EXTRA = {"minserve.bench.cli": {"minserve.peers.serving", "minserve.peers.served"}}
 
 
 FRONT = {"minserve" if name == "__init__.py" else "minserve." + name.removesuffix(".py")

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from minserve import SamplingParams
-from minserve.streaming import IncrementalDetokenizer, RequestHandle, StreamEvent
+from minserve.streaming import IncrementalDetokenizer, RequestHandle, StreamEvent, Waker
 
 from .conftest import make_engine
 
@@ -87,6 +87,40 @@ def test_async_iterator_receives_every_event_from_a_worker_thread(tiny_model):
             assert [e.token_id for e in events[:-1]] == h.output.token_ids
     finally:
         engine.stop()
+
+
+class _Loop:
+    """Stands in for an event loop: records what other threads ask it to run."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def call_soon_threadsafe(self, fn) -> None:
+        self.calls.append(fn)
+
+
+def test_the_holding_thread_wakes_each_loop_once_when_it_flushes_and_others_at_once():
+    """The serving worker holds the engine's Waker: its tokens wake their loops in one
+    call per loop between ticks; a push from any other thread wakes at once."""
+    waker, loops = Waker(), [_Loop(), _Loop()]
+    events = [asyncio.Event() for _ in range(3)]
+    waker.hold()
+    for loop, ev in ((loops[0], events[0]), (loops[0], events[1]), (loops[1], events[2])):
+        waker.wake(loop, ev)
+    assert not loops[0].calls and not loops[1].calls  # held until the flush
+    other = threading.Thread(target=waker.wake, args=(loops[1], asyncio.Event()))
+    other.start()
+    other.join()
+    assert len(loops[1].calls) == 1  # another thread's wake is not held
+    waker.flush()
+    assert len(loops[0].calls) == 1 and len(loops[1].calls) == 2  # one call per loop
+    for loop in loops:
+        for fn in loop.calls:
+            fn()
+    assert all(ev.is_set() for ev in events)
+    waker.release()
+    waker.wake(loops[0], asyncio.Event())
+    assert len(loops[0].calls) == 2  # released: at once again
 
 
 def test_handle_keeps_events_for_a_late_reader():

@@ -195,3 +195,25 @@ def test_trace_from_engine_keeps_config_and_derived_sizes(tiny_model):
     assert trace.config["num_blocks"] == 10 and trace.config["kv_budget_tokens"] == 30
     assert trace.config["block_size"] == 4 and len(trace) == len(engine.trace) > 0
     assert trace.request_ids() == ["req-0"]
+
+
+def test_worker_ticks_keep_the_state_copy_only_for_a_trace_and_step_mode_always(tiny_model):
+    """The serving worker's ticks skip the copy of the state after the tick (nobody reads
+    it) unless a trace is kept; a trace and step mode always get the whole record (T6)."""
+    engine = make_engine(tiny_model, backend="paged", block_size=8)
+    trace = engine.trace = []
+    engine.start()
+    try:
+        engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4))
+        assert engine.scheduler.snapshot_ticks  # a trace: the worker copies the state
+        engine.trace = None
+        engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
+        assert not engine.scheduler.snapshot_ticks  # no trace: it does not
+    finally:
+        engine.stop()
+    assert trace and all(r.blocks is not None and r.backend for r in trace)
+    assert any(r.queues["active"] for r in trace)
+    h = engine.submit([1, 2, 3], SamplingParams(max_tokens=2))
+    rec = engine.step()  # step mode again: the whole record, blocks included
+    assert engine.scheduler.snapshot_ticks and rec.blocks is not None
+    assert rec.requests[h.request_id]["prompt_len"] == 3

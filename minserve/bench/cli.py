@@ -17,11 +17,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-# `serving` puts minserve beside its peers (HF in process, any server over HTTP), so it is
-# declared with them in peers/; this command, which lists every experiment, is the one
-# module of bench/ that imports peers/ (tests/test_layout.py allows it nothing else there).
-from ..peers import serving
-from . import admission, attention, forward, gpu, kv, scheduling, shares, throughput
+# `serving` puts minserve beside its peers (HF in process, any server over HTTP), and
+# `served-token` times `minserve serve` with the peers' client, so both are declared in
+# peers/; this command, which lists every experiment, is the one module of bench/ that
+# imports peers/ (tests/test_layout.py allows it those two modules there, nothing else).
+from ..peers import served, serving
+from . import admission, attention, floor, forward, gpu, kv, scheduling, shares, throughput
 from .registry import Bench, Experiment, at_least
 
 DEFAULT = "serving"
@@ -30,7 +31,8 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
     serving.serving, throughput.decode_throughput, kv.kv_cache, scheduling.scheduling,
     scheduling.long_prompt, scheduling.disaggregated, throughput.busy, admission.admission,
     shares.shares, forward.tick_profile,
-    forward.compact, forward.linear, attention.attention, scheduling.demo_wait, gpu.gpu)}
+    forward.compact, forward.linear, attention.attention, floor.floor, served.served_token,
+    scheduling.demo_wait, gpu.gpu)}
 
 
 class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):

@@ -48,7 +48,7 @@ def fill_decode_batch(engine, batch_size: int, prompt_len: int, n_ticks: int, se
     return prompts, decoding(engine, prompts, n_ticks + 4, session_id="overhead")
 
 
-class _BareDecoder:
+class BareDecoder:
     """The floor: HF model + DynamicCache, one batched forward and an argmax per step."""
 
     def __init__(self, model, prompts: list[list[int]]) -> None:
@@ -84,7 +84,7 @@ def measure_overhead(engine, batch_size: int = 8, prompt_len: int = 128, ticks: 
       the model's forward (timed by hooks; both parts see the same disturbances).
     """
     prompts, handles = fill_decode_batch(engine, batch_size, prompt_len, ticks + warmup, seed)
-    bare = _BareDecoder(engine.model, prompts)
+    bare = BareDecoder(engine.model, prompts)
     clock = ForwardClock(engine.model)
     pure, fwd = [], []
 

@@ -58,12 +58,22 @@ def hf_generate_s(model, prompts: list[list[int]], new_tokens: int, pad: int = 0
     return time.perf_counter() - t0
 
 
+# what each path of decode-throughput runs (EngineConfig fields beside max_batch_size)
+THROUGHPUT_PATHS = {
+    "readable": ("padded backend (the default)", {}),
+    "serve": ("paged + compact + C decode kernel (minserve serve's)",
+              {"backend": "paged", "model_runner": "compact", "decode_attention": "kernel"}),
+}
+
+
 @experiment("decode-throughput",
             option("--batch", type=at_least(1), nargs="+", default=[8, 32],
                    help="batch sizes, one static batch each"),
             option("--new-tokens", type=at_least(3, "the first is the prefill's, and at least "
                                                   "one tick must decode alone"), default=64,
                    help="tokens each request generates"),
+            option("--paths", nargs="+", default=list(THROUGHPUT_PATHS),
+                   choices=list(THROUGHPUT_PATHS), help="engine paths, each beside HF"),
             smallest=("--batch", "1", "--new-tokens", "3"))
 def decode_throughput(bench):
     """Decode throughput of the engine vs HF `generate`, one static batch each."""
@@ -77,24 +87,32 @@ def decode_throughput(bench):
     for b in bench.args.batch:
         prompts = prompts_for(tok, b, seed=b)
         hf = b * n / hf_generate_s(model, prompts, n, pad)
-        engine = bench.engine(max_batch_size=b, enable_prefix_caching=False)
-        engine.trace = []
-        t0 = time.perf_counter()
-        outs = engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
-        ms = b * n / (time.perf_counter() - t0)
-        assert all(len(o.token_ids) == n for o in outs)
-        dec = [r for r in engine.trace if r.decode.rows and not r.prefill.chunks]  # decode only
-        ms_dec = (f"{sum(len(r.decode.rows) for r in dec) / sum(r.duration_s for r in dec):.1f}"
-                  if dec else "–")  # (--new-tokens >= 3 leaves one; a gate could still not)
-        rows.append([b, f"{hf:.1f}", f"{ms:.1f}", ms_dec, f"{ms / hf:.2f}"])
+        row = [b, f"{hf:.1f}"]
+        for path in bench.args.paths:
+            engine = bench.engine(max_batch_size=b, enable_prefix_caching=False,
+                                  **THROUGHPUT_PATHS[path][1])
+            engine.trace = []
+            t0 = time.perf_counter()
+            outs = engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+            ms = b * n / (time.perf_counter() - t0)
+            assert all(len(o.token_ids) == n for o in outs)
+            dec = [r for r in engine.trace if r.decode.rows and not r.prefill.chunks]  # decode only
+            ms_dec = (f"{sum(len(r.decode.rows) for r in dec) / sum(r.duration_s for r in dec):.1f}"
+                      if dec else "–")  # (--new-tokens >= 3 leaves one; a gate could still not)
+            row += [f"{ms:.1f}", ms_dec, f"**{ms / hf:.2f}**"]
+            if hasattr(engine.scheduler.backend, "close"):
+                engine.scheduler.backend.close()
+        rows.append(row)
         print(rows[-1], flush=True)
+    threads = f" --threads {bench.args.threads}" if bench.args.threads else ""
+    paths = "; ".join(f"{p}: {THROUGHPUT_PATHS[p][0]}" for p in bench.args.paths)
     bench.publish("core-throughput", [
         "## Engine core: decode throughput vs HF `generate`", "",
-        f"`minserve bench decode-throughput` — embedded SmolLM2-135M, fp32, {n} new tokens per "
-        "request (EOS ignored), mixed prompt lengths 8–200, padded backend, one static batch on "
-        "both sides, prefill included.", "",
-        *md_table(["batch", "HF generate tok/s", "minserve tok/s", "minserve decode ticks tok/s",
-                   "minserve / HF"], rows, "---:")])
+        f"`.venv/bin/minserve bench decode-throughput{threads}` — embedded SmolLM2-135M, fp32, {n} new "
+        "tokens per request (EOS ignored), mixed prompt lengths 8–200, monolithic prefill, "
+        f"one static batch on both sides, prefill included. Paths: {paths}.", "",
+        *md_table(["batch", "HF generate tok/s", *(h for p in bench.args.paths for h in (
+            f"{p} tok/s", f"{p} decode ticks tok/s", f"{p} / HF"))], rows, "---:")])
 
 
 def _hog(stop) -> None:  # a CPU-bound neighbour

@@ -16,7 +16,8 @@ This file is the same math with the plumbing taken out, in the style of nano-vll
 * the weights are taken once from the loaded HF model: q, k and v stacked into one
   (H + 2*H_kv) * D x E matrix, gate and up into one 2*I x E matrix, so a layer does
   4 weight matmuls instead of 7 (one larger matmul beats several small ones, and
-  saves their per-op overhead);
+  saves their per-op overhead); each matmul reads its weight the way that is fastest
+  for the rows it has (`Linear`: a C loop at one or two rows, oneDNN above);
 * RoPE's cos/sin are computed once for every position up to `max_model_len` (with
   HF's own rope init function, so rope scaling such as "llama3" or "linear" comes out
   the same) and looked up by position: no rotary module per forward;
@@ -44,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backends.paged import PagedForward, paged_attention
+from . import decode_kernel
 
 # HF model_type -> its layers are Llama's (pre-norm RMSNorm, RoPE, SiLU-gated MLP),
 # differing only in biases: Qwen2 has q/k/v biases, Mistral a sliding window (the paged
@@ -75,6 +77,21 @@ def runner_for(mode: str, model: torch.nn.Module, max_model_len: int) -> Compact
     return None
 
 
+def rows_kernel_for(weight: torch.Tensor) -> decode_kernel.DecodeKernel | None:
+    """The C kernel whose `linear` multiplies a few rows (decode_kernel.c, `rows_linear`)
+    for a model with this kind of weight: float32 on the CPU, where a C compiler builds
+    it; else None (oneDNN or F.linear do every matmul)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    try:
+        return decode_kernel.load()
+    except RuntimeError as e:
+        from ..failures import log
+
+        log.info("compact forward without its C matmul for a few rows: %s", e)
+        return None
+
+
 def _rope_parameters(config) -> dict:
     return dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
                 or {})
@@ -85,10 +102,20 @@ class CompactLlama:
 
     Built from a loaded HF `*ForCausalLM`; keeps its own fused, prepacked copies of the
     projection weights and the output head (`Linear`; for SmolLM2-135M ~135 M floats,
-    540 MB in fp32) and shares the rest (embedding, norms) with the HF model.
+    540 MB in fp32), the fused q/k/v and gate/up weights unpacked too for the C matmul of
+    a few rows (280 MB more), and shares the rest (embedding, norms, o, down and the head
+    unpacked) with the HF model. `kernel`: the C kernel for those few rows ("auto": built
+    where it runs, `rows_kernel_for`; None: oneDNN for every matmul).
     """
 
-    def __init__(self, model: torch.nn.Module, max_model_len: int) -> None:
+    # Decode steps of up to this many rows run every layer in C (`decode_in_c`), its
+    # matmuls included. At 3 rows the C matmul reads the weights about as fast as oneDNN
+    # and the step still saves its ~25 operators per layer: a 3-row tick took 0.78x the
+    # Python loop's; at 4 rows, 1.03x (both ways interleaved, one thread, load ~3).
+    STEP_IN_C_ROWS = 3
+
+    def __init__(self, model: torch.nn.Module, max_model_len: int,
+                 kernel: decode_kernel.DecodeKernel | None | str = "auto") -> None:
         cfg = model.config
         reasons = unsupported_reasons(cfg)
         if reasons:
@@ -101,9 +128,12 @@ class CompactLlama:
         inner = model.model  # LlamaModel: embed_tokens, layers, norm, rotary_emb
         self.embed = inner.embed_tokens.weight  # (V, E)
         self.final_norm = inner.norm.weight  # (E,)
-        self.layers = [self._fuse(layer) for layer in inner.layers]
+        if kernel == "auto":
+            kernel = rows_kernel_for(self.embed)
+        self.kernel = kernel
+        self.layers = [self._fuse(layer, kernel) for layer in inner.layers]
         head = model.get_output_embeddings()  # Linear E -> V (tied to the embedding or not)
-        self.head = Linear(head.weight, head.bias)  # (V, E): a prepacked copy
+        self.head = Linear(head.weight, head.bias, kernel)  # (V, E): a prepacked copy
         self.cos, sin = self._rope_tables(inner.rotary_emb, max_model_len)  # (P, D) each
         # RoPE rotates x = [x1 | x2] into x * cos + [-x2 | x1] * sin (HF's rotate_half).
         # The same, with the minus sign moved into a table: x * cos + roll(x) * sin_signed,
@@ -112,10 +142,11 @@ class CompactLlama:
         half = sin.shape[-1] // 2
         self.sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # (P, D)
         self.scale = self.head_dim ** -0.5
+        self._table = None  # (storage, C layer table) for decode_in_c, built on first use
 
     @staticmethod
     @torch.no_grad()
-    def _fuse(layer: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    def _fuse(layer: torch.nn.Module, kernel=None) -> dict[str, torch.Tensor | None]:
         """One decoder layer's weights, with q/k/v and gate/up stacked row-wise."""
         att, mlp = layer.self_attn, layer.mlp
 
@@ -128,13 +159,13 @@ class CompactLlama:
         return {
             "ln1": layer.input_layernorm.weight,  # (E,)
             "qkv": Linear(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]),
-                          cat_bias(att.q_proj, att.k_proj, att.v_proj)),
+                          cat_bias(att.q_proj, att.k_proj, att.v_proj), kernel),
             # ^ ((H + 2*H_kv) * D, E): rows 0..H*D-1 make q, then k, then v
-            "o": Linear(att.o_proj.weight, att.o_proj.bias),  # (E, H*D)
+            "o": Linear(att.o_proj.weight, att.o_proj.bias, kernel),  # (E, H*D)
             "ln2": layer.post_attention_layernorm.weight,  # (E,)
             "gate_up": Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                              cat_bias(mlp.gate_proj, mlp.up_proj)),  # (2I, E)
-            "down": Linear(mlp.down_proj.weight, mlp.down_proj.bias),  # (E, I)
+                              cat_bias(mlp.gate_proj, mlp.up_proj), kernel),  # (2I, E)
+            "down": Linear(mlp.down_proj.weight, mlp.down_proj.bias, kernel),  # (E, I)
         }
 
     @staticmethod
@@ -160,6 +191,8 @@ class CompactLlama:
         """ids, positions (B, T) -> float32 logits (B, K, V) at the kept positions
         (`logits_to_keep`: the last k per row, or indices into T), as the HF path returns."""
         B, T = ids.shape
+        if self._in_c(ctx, B, T, logits_to_keep):
+            return self.decode_in_c(ids, positions, ctx)
         N = B * T
         H, H_kv, D = self.num_heads, self.num_kv_heads, self.head_dim
         x = F.embedding(ids.reshape(N), self.embed)  # (N, E): flat tokens, row after row
@@ -192,33 +225,82 @@ class CompactLlama:
         return self.head(x.reshape(-1, x.shape[-1])).view(*x.shape[:2], -1).float()  # (B, K, V)
 
 
-class Linear:
-    """`x (N, in) -> x @ W.T + b (N, out)`, what `F.linear` computes, with W prepacked once.
+    # --- a decode step of a few rows, every layer in C -----------------------------------
+    def _in_c(self, ctx: PagedForward, B: int, T: int, logits_to_keep) -> bool:
+        """Whether this forward is a decode step `decode_in_c` runs: one token for each of
+        at most `STEP_IN_C_ROWS` rows, with the engine's decode attention in C (the
+        group has `lengths`: decode_attention="kernel"/"auto"; with "torch" the loop below
+        keeps PyTorch's attention, as that knob asks)."""
+        return (self.kernel is not None and T == 1 and B <= self.STEP_IN_C_ROWS
+                and logits_to_keep == 1 and len(ctx.groups) == 1
+                and ctx.groups[0].lengths is not None)
 
-    Why: at decode batch sizes PyTorch's default CPU matmul reads the weights poorly.
-    oneDNN with the weight reordered ONCE into its blocked layout (the op PyTorch's own
-    compiler emits for a frozen linear layer on CPU, `mkldnn._linear_pointwise`, and the
-    kind of kernel vLLM's CPU build calls) ran SmolLM2's linear layers 1.6-2.7x faster
-    at batch 1-64 on one core (docs/benchmarks.md, "Linear layers"). Same product, another
-    summation order: logits agree to float rounding, not bit for bit (the oracle tests
-    compare tokens). Without oneDNN (a GPU, a build without it, another dtype) it is
-    plain `F.linear`.
+    def decode_in_c(self, ids: torch.Tensor, positions: torch.Tensor,
+                    ctx: PagedForward) -> torch.Tensor:
+        """The forward below for a decode step of a few rows, with every layer in one C
+        call (decode_kernel.c, part 3): the same math, without the ~25 PyTorch operators a
+        layer costs between its four matmuls. ids, positions (B, 1) -> logits (B, 1, V)."""
+        B = ids.shape[0]
+        g = ctx.groups[0]
+        if self._table is None or self._table[0] is not ctx.storage:  # pointers, once per pool
+            pools = [ctx.storage.flat(i) for i in range(len(self.layers))]
+            self._table = (ctx.storage, self.kernel.layer_table(self.layers, pools))
+        x = F.embedding(ids.reshape(B), self.embed)  # (B, E): a copy, updated in place
+        pos = positions.reshape(B)
+        self.kernel.decode_layers(
+            self._table[1], x, self.cos[pos], self.sin_signed[pos], ctx.write_slots,
+            g.read_blocks, g.lengths, self.num_heads, self.num_kv_heads,
+            self.layers[0]["down"].shape[1], ctx.storage.block_size,
+            ctx.storage.flat(0)[0].shape[1], self.eps, self.scale)
+        x = self.kernel.rms_norm(x, self.final_norm, self.eps)  # (B, E)
+        return self.head(x).view(B, 1, -1)  # (B, 1, V), float32
+
+
+class Linear:
+    """`x (N, in) -> x @ W.T + b (N, out)`, what `F.linear` computes, each batch read the
+    way that is fastest for it.
+
+    Up to `SMALL_ROWS` rows (a decode step of one or two streams): the C loop of
+    decode_kernel.c (`rows_linear`), which reads W row after row, one sequential stream.
+    There a matmul's time is the time to read W, and on the reference AMD EPYC this loop
+    reads it about as fast as a plain sum of W does, about 2x faster than oneDNN and
+    MKL; from 3-4 rows on, each weight loaded feeds enough arithmetic that oneDNN's
+    blocked kernels win (`minserve bench linear`).
+
+    More rows: oneDNN with the weight reordered ONCE into its blocked layout (the op
+    PyTorch's own compiler emits for a frozen linear layer on CPU,
+    `mkldnn._linear_pointwise`, and the kind of kernel vLLM's CPU build calls), which ran
+    SmolLM2's linear layers 1.6-2.7x faster than `F.linear` at batch 1-64 on one core
+    (docs/benchmarks.md, "Linear layers").
+
+    Same product, other summation orders: logits agree to float rounding, not bit for
+    bit (the oracle tests compare tokens). Without oneDNN or the C kernel (a GPU, a build
+    without them, another dtype) it is plain `F.linear`.
     """
 
     PACK_FOR_BATCH = 16  # the layout oneDNN picks for M = 16 rows served B = 1..64 best here
+    SMALL_ROWS = 2  # rows up to which the C loop reads W faster than oneDNN (bench linear)
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 kernel: decode_kernel.DecodeKernel | None = None) -> None:
         self.weight, self.bias = weight, bias  # (out, in), (out,) or None
         self.shape = tuple(weight.shape)  # (out, in)
         self.packed = None
-        if weight.device.type == "cpu" and weight.dtype == torch.float32 \
-                and torch.backends.mkldnn.is_available():
-            # a copy in oneDNN's blocked layout; the plain one is then not needed here
+        plain_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
+        self.kernel = kernel if plain_cpu else None
+        if self.kernel is not None:  # the C loop reads the plain (out, in) rows
+            self.weight = weight.detach().contiguous()
+            self.bias = None if bias is None else bias.detach().contiguous()
+        if plain_cpu and torch.backends.mkldnn.is_available():
+            # a copy in oneDNN's blocked layout; the plain one is kept only for the C loop
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
                                                                   self.PACK_FOR_BATCH)
-            self.weight = None
+            if self.kernel is None:
+                self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.shape[0] <= self.SMALL_ROWS:
+            return self.kernel.linear(x, self.weight, self.bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias,

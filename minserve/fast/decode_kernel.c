@@ -1,6 +1,9 @@
-/* The decode step's attention over block tables, read in place: minserve's one C file.
+/* A decode step's two costly parts in C: minserve's one C file.
 
-   What it computes is `paged._attend` for T = 1 (one new token per row), the readable
+   1. Attention over block tables, read in place (`decode_scores`, `decode_values`).
+   2. The weight matmuls of a step of a few rows (`rows_linear`).
+
+   1. What it computes is `paged._attend` for T = 1 (one new token per row), the readable
    PyTorch version and the reference this kernel is tested against
    (tests/test_decode_kernel.py). Why it exists: on a CPU that version spends most of
    its time in copies and in call overhead, not in arithmetic. It gathers every row's
@@ -24,9 +27,16 @@
        out       (B, H, D)
 
    D must be a multiple of 8: the inner loops work on 8 floats at a time (`v8`, one AVX
-   register; GCC and Clang map the vector type onto whatever the CPU has). Built once on
-   first use with the machine's C compiler (decode_kernel.py); nothing here is
-   CUDA-only, and without a compiler the engine runs the PyTorch version. */
+   register; GCC and Clang map the vector type onto whatever the CPU has).
+
+   2. See `rows_linear` below: at one to four rows a matmul's speed is the memory's.
+
+   Threads: each function takes a thread count (torch's, passed by decode_kernel.py) and
+   splits its independent work over that many OpenMP threads when built with -fopenmp
+   (torch's own OpenMP runtime, already loaded, runs them). At 1 thread, or built
+   without OpenMP, the loops run as written. Built once on first use with the machine's
+   C compiler (decode_kernel.py); nothing here is CUDA-only, and without a compiler the
+   engine runs the PyTorch versions. */
 
 #include <math.h>
 #include <stdint.h>
@@ -51,41 +61,42 @@ static inline float dot(const float *a, const float *b, int D) {
 /* scores[b, h, t] = scale * q[b, h] . K[h / G][slot of token t of row b], t < lens[b] */
 void decode_scores(const float *q, const float *k_pool, const int64_t *tables,
                    const int64_t *lens, int B, int H, int H_kv, int D, int64_t num_slots,
-                   int S, int M, float scale, float *scores) {
+                   int S, int M, float scale, float *scores, int threads) {
     const int G = H / H_kv;
     const int64_t L = (int64_t)M * S;
-    for (int b = 0; b < B; b++) {
+    /* every (row, KV head) pair writes its own G rows of scores: split them over threads */
+    #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(dynamic)
+    for (int bh = 0; bh < B * H_kv; bh++) {
+        const int b = bh / H_kv, hk = bh % H_kv;
         const int64_t len = lens[b];
-        for (int hk = 0; hk < H_kv; hk++) {
-            const float *kh = k_pool + (int64_t)hk * num_slots * D;  /* this head's slots */
-            const float *qh = q + ((int64_t)b * H + hk * G) * D;      /* (G, D) */
-            float *out = scores + ((int64_t)b * H + hk * G) * L;      /* (G, L) */
-            for (int g = 0; g < G; g++)
-                for (int64_t t = len; t < L; t++) out[g * L + t] = -INFINITY;
-            for (int j = 0; (int64_t)j * S < len; j++) {   /* block j of the row's table */
-                const float *kb = kh + tables[(int64_t)b * M + j] * S * D;  /* (S, D) */
-                const int n = len - (int64_t)j * S < S ? (int)(len - (int64_t)j * S) : S;
-                for (int g = 0; g < G; g++) {
-                    const float *qv = qh + g * D;
-                    float *o = out + g * L + (int64_t)j * S;
-                    int s = 0;
-                    for (; s + 4 <= n; s += 4) {  /* 4 keys at a time: 4 independent sums */
-                        const float *k0 = kb + s * D;
-                        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-                        for (int d = 0; d < D; d += 8) {
-                            const v8 qd = load8(qv + d);
-                            a0 += qd * load8(k0 + d);
-                            a1 += qd * load8(k0 + D + d);
-                            a2 += qd * load8(k0 + 2 * D + d);
-                            a3 += qd * load8(k0 + 3 * D + d);
-                        }
-                        o[s] = hsum8(a0) * scale;
-                        o[s + 1] = hsum8(a1) * scale;
-                        o[s + 2] = hsum8(a2) * scale;
-                        o[s + 3] = hsum8(a3) * scale;
+        const float *kh = k_pool + (int64_t)hk * num_slots * D;  /* this head's slots */
+        const float *qh = q + ((int64_t)b * H + hk * G) * D;      /* (G, D) */
+        float *out = scores + ((int64_t)b * H + hk * G) * L;      /* (G, L) */
+        for (int g = 0; g < G; g++)
+            for (int64_t t = len; t < L; t++) out[g * L + t] = -INFINITY;
+        for (int j = 0; (int64_t)j * S < len; j++) {   /* block j of the row's table */
+            const float *kb = kh + tables[(int64_t)b * M + j] * S * D;  /* (S, D) */
+            const int n = len - (int64_t)j * S < S ? (int)(len - (int64_t)j * S) : S;
+            for (int g = 0; g < G; g++) {
+                const float *qv = qh + g * D;
+                float *o = out + g * L + (int64_t)j * S;
+                int s = 0;
+                for (; s + 4 <= n; s += 4) {  /* 4 keys at a time: 4 independent sums */
+                    const float *k0 = kb + s * D;
+                    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                    for (int d = 0; d < D; d += 8) {
+                        const v8 qd = load8(qv + d);
+                        a0 += qd * load8(k0 + d);
+                        a1 += qd * load8(k0 + D + d);
+                        a2 += qd * load8(k0 + 2 * D + d);
+                        a3 += qd * load8(k0 + 3 * D + d);
                     }
-                    for (; s < n; s++) o[s] = dot(qv, kb + s * D, D) * scale;
+                    o[s] = hsum8(a0) * scale;
+                    o[s + 1] = hsum8(a1) * scale;
+                    o[s + 2] = hsum8(a2) * scale;
+                    o[s + 3] = hsum8(a3) * scale;
                 }
+                for (; s < n; s++) o[s] = dot(qv, kb + s * D, D) * scale;
             }
         }
     }
@@ -94,28 +105,210 @@ void decode_scores(const float *q, const float *k_pool, const int64_t *tables,
 /* out[b, h] = sum over t < lens[b] of probs[b, h, t] * V[h / G][slot of token t of row b] */
 void decode_values(const float *probs, const float *v_pool, const int64_t *tables,
                    const int64_t *lens, int B, int H, int H_kv, int D, int64_t num_slots,
-                   int S, int M, float *out) {
+                   int S, int M, float *out, int threads) {
     const int G = H / H_kv;
     const int64_t L = (int64_t)M * S;
-    for (int b = 0; b < B; b++) {
+    #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(dynamic)
+    for (int bh = 0; bh < B * H; bh++) {  /* every (row, query head) writes its own D floats */
+        const int b = bh / H, h = bh % H;
         const int64_t len = lens[b];
-        for (int h = 0; h < H; h++) {
-            const float *vh = v_pool + (int64_t)(h / G) * num_slots * D;
-            const float *p = probs + ((int64_t)b * H + h) * L;  /* (L,) */
-            float *o = out + ((int64_t)b * H + h) * D;          /* (D,) */
-            for (int d0 = 0; d0 < D; d0 += 64) {  /* 64 floats of the output, in registers */
-                const int w = D - d0 < 64 ? D - d0 : 64;
-                v8 acc[8] = {{0}};
-                for (int j = 0; (int64_t)j * S < len; j++) {
-                    const float *vb = vh + tables[(int64_t)b * M + j] * S * D + d0;
-                    const int n = len - (int64_t)j * S < S ? (int)(len - (int64_t)j * S) : S;
-                    for (int s = 0; s < n; s++) {
-                        const float pw = p[(int64_t)j * S + s];
-                        for (int i = 0; i < w / 8; i++) acc[i] += pw * load8(vb + s * D + 8 * i);
-                    }
+        const float *vh = v_pool + (int64_t)(h / G) * num_slots * D;
+        const float *p = probs + ((int64_t)b * H + h) * L;  /* (L,) */
+        float *o = out + ((int64_t)b * H + h) * D;          /* (D,) */
+        for (int d0 = 0; d0 < D; d0 += 64) {  /* 64 floats of the output, in registers */
+            const int w = D - d0 < 64 ? D - d0 : 64;
+            v8 acc[8] = {{0}};
+            for (int j = 0; (int64_t)j * S < len; j++) {
+                const float *vb = vh + tables[(int64_t)b * M + j] * S * D + d0;
+                const int n = len - (int64_t)j * S < S ? (int)(len - (int64_t)j * S) : S;
+                for (int s = 0; s < n; s++) {
+                    const float pw = p[(int64_t)j * S + s];
+                    for (int i = 0; i < w / 8; i++) acc[i] += pw * load8(vb + s * D + 8 * i);
                 }
-                memcpy(o + d0, acc, sizeof(float) * w);
+            }
+            memcpy(o + d0, acc, sizeof(float) * w);
+        }
+    }
+}
+
+
+/* ---- 2. The weight matmuls of a few rows -------------------------------------------
+
+   y (N, O) = x (N, I) @ W (O, I)^T (+ bias (O,)): what F.linear computes, for the N = 1..4
+   rows of a small decode step (fast/compact.py's `Linear` calls it there, oneDNN above).
+
+   Why. At N = 1 a matmul reads each weight once and does 2 flops per 4 bytes read: the
+   memory, not the arithmetic, sets its time, so the best it can do is read the weights
+   as fast as a plain sum of them would. On the 2-core AMD EPYC of the reference runs, oneDNN's prepacked linear and MKL's gemv read them at about half that speed;
+   `minserve bench floor` measures all three against the memory. Here each weight row is
+   read once, from its start to its end, one row after the other: one sequential stream,
+   the pattern the CPU's prefetcher follows best (four rows read side by side, four
+   streams, ran 1.6x slower here). The N rows of x (a few KB) stay in the L1 cache.
+
+       W (O, I)   row o: [ w w w w ... w ]  -> dotted with x[0..N-1]  -> y[0..N-1, o]
+                  row o+1 ...                   (8 floats a step, 2 sums per x row)
+
+   Threads split the output rows into contiguous ranges: each still one stream. The sums
+   run in another order than oneDNN's or MKL's: equal to float rounding, not bit for bit
+   (as oneDNN already was; tests/test_compact.py compares tokens with HF and logits to
+   1e-4). I need not be a multiple of 8 (a scalar tail). */
+
+/* out[n] = w . x[n] for n < NB <= 4; x's rows `ldx` floats apart. Inlined with NB a
+   constant, so the loops over n unroll into 2 * NB independent vector sums. */
+static inline __attribute__((always_inline)) void dot_rows(const float *w, const float *x,
+                                                         int64_t ldx, int I, const int NB,
+                                                         float *out) {
+    v8 a[4] = {{0}}, c[4] = {{0}};
+    int i = 0;
+    for (; i + 16 <= I; i += 16) {
+        const v8 w0 = load8(w + i), w1 = load8(w + i + 8);
+        for (int n = 0; n < NB; n++) {
+            a[n] += w0 * load8(x + n * ldx + i);
+            c[n] += w1 * load8(x + n * ldx + i + 8);
+        }
+    }
+    for (int n = 0; n < NB; n++) {
+        float s = hsum8(a[n] + c[n]);
+        for (int j = i; j < I; j++) s += w[j] * x[n * ldx + j];
+        out[n] = s;
+    }
+}
+
+/* y = x @ W^T + bias, or y += that (`accumulate`: the residual stream's add, fused) */
+static void linear_rows(const float *x, const float *W, const float *bias, int N, int O, int I,
+                        float *y, int accumulate, int threads) {
+    #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(static)
+    for (int o = 0; o < O; o++) {
+        const float *w = W + (int64_t)o * I;
+        const float b = bias ? bias[o] : 0.0f;
+        for (int n0 = 0; n0 < N; n0 += 4) {  /* 4 rows of x per pass; the row stays in L1 */
+            float out[4];
+            const float *xs = x + (int64_t)n0 * I;
+            switch (N - n0 < 4 ? N - n0 : 4) {
+                case 1: dot_rows(w, xs, I, I, 1, out); break;
+                case 2: dot_rows(w, xs, I, I, 2, out); break;
+                case 3: dot_rows(w, xs, I, I, 3, out); break;
+                default: dot_rows(w, xs, I, I, 4, out); break;
+            }
+            for (int n = 0; n < 4 && n0 + n < N; n++) {
+                float *yo = y + (int64_t)(n0 + n) * O + o;
+                *yo = accumulate ? *yo + (out[n] + b) : out[n] + b;
             }
         }
     }
+}
+
+void rows_linear(const float *x, const float *W, const float *bias, int N, int O, int I,
+                 float *y, int threads) {
+    linear_rows(x, W, bias, N, O, I, y, 0, threads);
+}
+
+
+/* ---- 3. A whole decode step of a few rows ------------------------------------------
+
+   For the one to three rows of a small decode step (fast/compact.py, `decode_in_c`), every
+   decoder layer of the compact forward, written out. Why: at a few rows a layer's
+   time is its 4 matmuls streaming the weights (2 above) plus, between them, some 25
+   small PyTorch operators (two RMSNorms, RoPE, the KV write, softmax, SiLU, the residual
+   adds, views and copies), each costing microseconds of dispatch for a few hundred
+   floats of work: about a tenth of the step. Here they are loops over those floats,
+   and the whole step is one call from Python.
+
+   Per layer, the rows' residual stream x (N, E) updated in place:
+
+       h = rms_norm(x) * ln1
+       qkv = h @ Wqkv^T (+ b)                 (N, (H + 2 H_kv) D): q heads, k heads, v heads
+       q, k = rope(q), rope(k)                x cos + roll(x, D/2) sin_signed (compact.py)
+       pools[slot of each row] = k, v         written first: a token attends to itself
+       a = softmax(scale q.K) V               decode_scores / decode_values (1 above)
+       x += a @ Wo^T (+ b)
+       h = rms_norm(x) * ln2
+       g | u = h @ Wgu^T (+ b)                (N, 2I)
+       x += (silu(g) * u) @ Wdown^T (+ b)
+
+   Numerics: every sum in float32 but in another order than PyTorch's (the RMSNorm's
+   mean, the softmax's sum, the matmuls), and expf where PyTorch has its vectorised exp:
+   equal to float rounding. tests/test_decode_kernel.py checks the step against the
+   Python forward, and token for token against HF `generate`. */
+
+typedef struct {  /* one decoder layer as CompactLlama keeps it; a missing bias is NULL */
+    const float *ln1, *qkv, *qkv_bias, *o, *o_bias, *ln2, *gate_up, *gate_up_bias, *down,
+        *down_bias;
+    float *k_pool, *v_pool;  /* the layer's (H_kv, num_slots, D) pools */
+} Layer;
+
+typedef struct {  /* one step: sizes, the rows, scratch the caller allocated */
+    int N, E, H, H_kv, D, I, S, M, threads;
+    int64_t num_slots;
+    float eps, scale;
+    float *x;                              /* (N, E) the residual stream, in and out */
+    const float *cos, *sin;                /* (N, D) at each row's position (sin signed) */
+    const int64_t *slots, *tables, *lens;  /* (N,) write slots, (N, M) blocks, (N,) lengths */
+    float *h, *qkv, *q, *att, *scores, *gu, *act;
+    /* (N, E), (N, (H+2H_kv)D), (N, H, D), (N, H, D), (N, H, M*S), (N, 2I), (N, I) */
+} Step;
+
+/* y[n] = w * (x[n] / sqrt(mean(x[n]^2) + eps)), HF's LlamaRMSNorm in float32 */
+void rms_norm(const float *x, const float *w, int N, int E, float eps, float *y) {
+    for (int n = 0; n < N; n++) {
+        const float *xn = x + (int64_t)n * E;
+        float *yn = y + (int64_t)n * E;
+        v8 acc = {0};
+        int i = 0;
+        for (; i + 8 <= E; i += 8) { const v8 v = load8(xn + i); acc += v * v; }
+        float sq = hsum8(acc);
+        for (; i < E; i++) sq += xn[i] * xn[i];
+        const float r = 1.0f / sqrtf(sq / (float)E + eps);
+        for (int j = 0; j < E; j++) yn[j] = w[j] * (xn[j] * r);
+    }
+}
+
+/* out = x * cos + roll(x, D/2) * sin, one head of D floats (compact.py's RoPE) */
+static void rope(const float *x, const float *cos, const float *sin, int D, float *out) {
+    const int half = D / 2;
+    for (int d = 0; d < D; d++) out[d] = x[d] * cos[d] + x[(d + half) % D] * sin[d];
+}
+
+static void decode_layer(const Layer *w, const Step *st) {
+    const int N = st->N, E = st->E, H = st->H, H_kv = st->H_kv, D = st->D, I = st->I;
+    const int QKV = (H + 2 * H_kv) * D;
+    const int64_t L = (int64_t)st->M * st->S;
+    rms_norm(st->x, w->ln1, N, E, st->eps, st->h);
+    linear_rows(st->h, w->qkv, w->qkv_bias, N, QKV, E, st->qkv, 0, st->threads);
+    for (int n = 0; n < N; n++) {
+        const float *row = st->qkv + (int64_t)n * QKV;
+        const float *c = st->cos + (int64_t)n * D, *s = st->sin + (int64_t)n * D;
+        const int64_t slot = st->slots[n];
+        for (int h = 0; h < H; h++)  /* q heads into (N, H, D) */
+            rope(row + h * D, c, s, D, st->q + ((int64_t)n * H + h) * D);
+        for (int hk = 0; hk < H_kv; hk++) {  /* k and v into the pools, at the row's slot */
+            float *k_dst = w->k_pool + ((int64_t)hk * st->num_slots + slot) * D;
+            float *v_dst = w->v_pool + ((int64_t)hk * st->num_slots + slot) * D;
+            rope(row + (H + hk) * D, c, s, D, k_dst);
+            memcpy(v_dst, row + (H + H_kv + hk) * D, sizeof(float) * D);
+        }
+    }
+    decode_scores(st->q, w->k_pool, st->tables, st->lens, N, H, H_kv, D, st->num_slots,
+                  st->S, st->M, st->scale, st->scores, st->threads);
+    for (int64_t r = 0; r < (int64_t)N * H; r++) {  /* softmax over each (row, head)'s L */
+        float *p = st->scores + r * L, mx = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < L; t++) mx = p[t] > mx ? p[t] : mx;
+        for (int64_t t = 0; t < L; t++) { p[t] = expf(p[t] - mx); sum += p[t]; }
+        for (int64_t t = 0; t < L; t++) p[t] /= sum;
+    }
+    decode_values(st->scores, w->v_pool, st->tables, st->lens, N, H, H_kv, D, st->num_slots,
+                  st->S, st->M, st->att, st->threads);
+    linear_rows(st->att, w->o, w->o_bias, N, E, H * D, st->x, 1, st->threads);
+    rms_norm(st->x, w->ln2, N, E, st->eps, st->h);
+    linear_rows(st->h, w->gate_up, w->gate_up_bias, N, 2 * I, E, st->gu, 0, st->threads);
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < I; i++) {
+            const float g = st->gu[(int64_t)n * 2 * I + i], u = st->gu[(int64_t)n * 2 * I + I + i];
+            st->act[(int64_t)n * I + i] = g / (1.0f + expf(-g)) * u;
+        }
+    linear_rows(st->act, w->down, w->down_bias, N, E, I, st->x, 1, st->threads);
+}
+
+void decode_layers(const Layer *layers, int num_layers, const Step *st) {
+    for (int l = 0; l < num_layers; l++) decode_layer(&layers[l], st);
 }

@@ -16,10 +16,10 @@ tests/test_decode_kernel.py checks the kernel against `paged._attend` on ragged 
 tables and token-exact against Hugging Face `generate`. docs/benchmarks.md, "Decode
 attention", measures both.
 
-Building: `cc -O3 -march=native -shared -fPIC` into `$MINSERVE_CACHE_DIR/kernels/`
+Building: `cc -O3 -march=native -fopenmp -shared -fPIC` into `$MINSERVE_CACHE_DIR/kernels/`
 (about a second), under a name that hashes the source, the compiler and the CPU, so a
 cache directory shared between machines never hands one CPU another's instructions.
-The `.so` has no Python or torch headers in it: two plain C functions taking pointers.
+The `.so` has no Python or torch headers in it: plain C functions taking pointers.
 ctypes releases the GIL while they run, as torch's own operators do.
 """
 
@@ -40,6 +40,10 @@ import torch
 SOURCE = Path(__file__).with_name("decode_kernel.c")
 MODES = ("torch", "kernel", "auto")
 FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC"]
+# Tried in this order until one builds: this CPU's vector instructions (-march=native)
+# and threads (-fopenmp: the .so then uses the OpenMP runtime torch has already loaded,
+# the same thread pool), then without either.
+EXTRA_FLAGS = (["-march=native", "-fopenmp"], ["-march=native"], ["-fopenmp"], [])
 
 
 def unsupported_reason(dtype: torch.dtype, device: torch.device, head_dim: int) -> str | None:
@@ -53,8 +57,32 @@ def unsupported_reason(dtype: torch.dtype, device: torch.device, head_dim: int) 
     return None
 
 
+LAYER_FIELDS = ("ln1", "qkv", "qkv_bias", "o", "o_bias", "ln2", "gate_up", "gate_up_bias",
+                "down", "down_bias", "k_pool", "v_pool")
+
+
+class Layer(ctypes.Structure):
+    """decode_kernel.c's `Layer`: one decoder layer's weights and KV pools, as pointers."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in LAYER_FIELDS]
+
+
+class Step(ctypes.Structure):
+    """decode_kernel.c's `Step`: one decode step's sizes, rows and scratch, as pointers."""
+
+    _fields_ = [*((name, ctypes.c_int) for name in ("N", "E", "H", "H_kv", "D", "I", "S", "M",
+                                                   "threads")),
+                ("num_slots", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                *((name, ctypes.c_void_p) for name in ("x", "cos", "sin", "slots", "tables",
+                                                      "lens", "h", "qkv", "q", "att", "scores",
+                                                      "gu", "act"))]
+
+
 class DecodeKernel:
-    """The two C functions, bound: `attend(q, k, v, tables, lengths, scale, block_size)`."""
+    """The C functions, bound: `attend(q, k, v, tables, lengths, scale, block_size)`,
+    `linear(x, weight, bias)`, `rms_norm(x, weight, eps)` and `decode_layers(...)`. Each
+    runs on torch's intra-op thread count (`torch.get_num_threads()`, read at every call,
+    as torch's own operators do)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -62,9 +90,16 @@ class DecodeKernel:
         P, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         common = [P, P, P, P, i32, i32, i32, i32, i64, i32, i32]
         self._scores, self._values = lib.decode_scores, lib.decode_values
-        self._scores.argtypes = common + [ctypes.c_float, P]
-        self._values.argtypes = common + [P]
-        self._scores.restype = self._values.restype = None
+        self._scores.argtypes = common + [ctypes.c_float, P, i32]
+        self._values.argtypes = common + [P, i32]
+        self._linear = lib.rows_linear
+        self._linear.argtypes = [P, P, P, i32, i32, i32, P, i32]
+        self._norm = lib.rms_norm
+        self._norm.argtypes = [P, P, i32, i32, ctypes.c_float, P]
+        self._layers = lib.decode_layers
+        self._layers.argtypes = [ctypes.POINTER(Layer), i32, ctypes.POINTER(Step)]
+        for f in (self._scores, self._values, self._linear, self._norm, self._layers):
+            f.restype = None
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                tables: torch.Tensor, lengths: torch.Tensor, scale: float,
@@ -80,13 +115,80 @@ class DecodeKernel:
         assert tables.dtype == lengths.dtype == torch.int64 and tables.is_contiguous()
         dims = (B, H, H_kv, D, num_slots, block_size, M)
         scores = torch.empty(B, H, M * block_size)  # (B, H, L): -inf past each row's end
+        threads = torch.get_num_threads()
         self._scores(q.data_ptr(), k_pool.data_ptr(), tables.data_ptr(), lengths.data_ptr(),
-                     *dims, scale, scores.data_ptr())
+                     *dims, scale, scores.data_ptr(), threads)
         probs = torch.softmax(scores, dim=-1)  # (B, H, L)
         out = torch.empty(B, H, D)
         self._values(probs.data_ptr(), v_pool.data_ptr(), tables.data_ptr(),
-                     lengths.data_ptr(), *dims, out.data_ptr())
+                     lengths.data_ptr(), *dims, out.data_ptr(), threads)
         return out  # (B, H, D)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (N, in) @ weight (out, in).T + bias (out,) -> (N, out), float32 on the CPU:
+        F.linear, read the way a few rows read fastest (decode_kernel.c, `rows_linear`)."""
+        rows, n_in = x.shape
+        n_out = weight.shape[0]
+        x = x.contiguous()
+        assert weight.shape[1] == n_in and weight.is_contiguous() and x.dtype == torch.float32
+        assert bias is None or (bias.shape == (n_out,) and bias.is_contiguous())
+        y = torch.empty(rows, n_out)
+        self._linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                     rows, n_out, n_in, y.data_ptr(), torch.get_num_threads())
+        return y  # (N, out)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """HF's LlamaRMSNorm of x (N, E), float32: weight * x / sqrt(mean(x^2) + eps)."""
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        self._norm(x.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps, y.data_ptr())
+        return y
+
+    @staticmethod
+    def layer_table(layers: list[dict], pools: list[tuple[torch.Tensor, torch.Tensor]]
+                    ) -> ctypes.Array:
+        """The C `Layer` array of a forward's layers: each a dict of "ln1", "ln2" (weight
+        tensors) and "qkv", "o", "gate_up", "down" (objects with a contiguous float32
+        `.weight` and `.bias` or None), with its layer's (K, V) pools. Pointers only: the
+        tensors must outlive the array (the runner and the storage hold them)."""
+        def ptr(t):
+            return None if t is None else t.data_ptr()
+
+        table = (Layer * len(layers))()
+        for entry, w, (k_pool, v_pool) in zip(table, layers, pools):
+            for name in ("qkv", "o", "gate_up", "down"):
+                setattr(entry, name, ptr(w[name].weight))
+                setattr(entry, name + "_bias", ptr(w[name].bias))
+            entry.ln1, entry.ln2 = ptr(w["ln1"]), ptr(w["ln2"])
+            entry.k_pool, entry.v_pool = ptr(k_pool), ptr(v_pool)
+        return table
+
+    def decode_layers(self, table: ctypes.Array, x: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                      lengths: torch.Tensor, heads: int, kv_heads: int, intermediate: int,
+                      block_size: int, num_slots: int, eps: float, scale: float) -> None:
+        """Every layer of `table` for the rows of x (N, E), updated in place: cos, sin
+        (N, D) at the rows' positions; slots (N,) where each row's new K/V goes; tables
+        (N, M) and lengths (N,) int64 as `attend` takes them (every id < the pool's
+        blocks: the C code does not check)."""
+        N, E = x.shape
+        D = cos.shape[1]
+        M = tables.shape[1]
+        for t in (x, cos, sin, slots, tables, lengths):
+            assert t.is_contiguous() and t.device.type == "cpu"
+        assert x.dtype == cos.dtype == sin.dtype == torch.float32
+        assert slots.dtype == tables.dtype == lengths.dtype == torch.int64
+        scratch = {"h": (N, E), "qkv": (N, (heads + 2 * kv_heads) * D), "q": (N, heads, D),
+                   "att": (N, heads, D), "scores": (N, heads, M * block_size),
+                   "gu": (N, 2 * intermediate), "act": (N, intermediate)}
+        bufs = {name: torch.empty(shape) for name, shape in scratch.items()}
+        step = Step(N=N, E=E, H=heads, H_kv=kv_heads, D=D, I=intermediate, S=block_size, M=M,
+                    threads=torch.get_num_threads(), num_slots=num_slots, eps=eps, scale=scale,
+                    x=x.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
+                    slots=slots.data_ptr(), tables=tables.data_ptr(), lens=lengths.data_ptr(),
+                    **{name: t.data_ptr() for name, t in bufs.items()})
+        self._layers(table, len(table), ctypes.byref(step))
 
 
 def kernel_for(mode: str, storage) -> DecodeKernel | None:
@@ -137,8 +239,8 @@ def _load(cc: str) -> DecodeKernel:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=target.parent)) / target.name
         errors = []
-        for arch in (["-march=native"], []):  # -march=native: this CPU's vector instructions
-            run = subprocess.run([cc, *FLAGS, *arch, str(SOURCE), "-o", str(tmp)],
+        for extra in EXTRA_FLAGS:
+            run = subprocess.run([cc, *FLAGS, *extra, str(SOURCE), "-o", str(tmp)],
                                  capture_output=True, text=True)
             if run.returncode == 0:
                 break

@@ -9,6 +9,8 @@ with the bench's own registry, workloads and driver. An outer layer.
     openai_target.py any OpenAI-compatible server as a target, over streaming HTTP
     serving.py       `minserve bench` (its default experiment, `serving`): one workload
                      against minserve and the HF peers, or against any OpenAI URL
+    served.py        `minserve bench served-token`: where a streamed token's time goes in
+                     `minserve serve` (its spans), with side_by_side's client and workload
     run_report.py    that run's files: JSON per request, the plotly HTML report
     servers.py       minserve serve, vLLM's CPU build, `transformers serve`: started on a
                      free port, waited for, stopped with their whole process group
@@ -25,5 +27,5 @@ May import: the core, the front and `minserve.bench` (the registry, the workload
 targets, the metrics, the docs-section writer and the timing conditions, so a figure
 beside a peer is taken as every other); never `minserve.server`: openai_target.py speaks
 HTTP to any server through httpx. Imported by bench's command alone (cli.py lists
-`serving`), which imports nothing else of this layer.
+`serving` and `served-token`), which imports nothing else of this layer.
 """

@@ -369,10 +369,13 @@ async def _sse_stream(first: StreamEvent, events: AsyncIterator[StreamEvent],
             delivery.tokens = first.index + 1
         try:
             async for ev in events:
+                got = time.perf_counter()
                 if ev.text:
                     yield sse(shaper.chunk(ev.text))
                     if ev.token_id is not None:
                         delivery.tokens = ev.index + 1
+                if handle.spans is not None and ev.index >= 0:  # MINSERVE_SPANS (spans.py)
+                    handle.spans.token_sent(handle.request_id, ev.index, got, time.perf_counter())
                 if ev.finish_reason is None:
                     continue
                 out = handle.output
