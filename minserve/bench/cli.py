@@ -23,7 +23,7 @@ import sys
 # imports peers/ (tests/test_layout.py allows it those two modules there, nothing else).
 from ..peers import served, serving
 from . import admission, attention, floor, forward, gpu, kv, scheduling, shares, throughput
-from .registry import Bench, Experiment, at_least
+from .registry import Bench, DefaultsHelp, Experiment, at_least
 
 DEFAULT = "serving"
 # in the order of docs/benchmarks.md
@@ -33,27 +33,6 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
     shares.shares, forward.tick_profile,
     forward.compact, forward.linear, attention.attention, floor.floor, served.served_token,
     scheduling.demo_wait, gpu.gpu)}
-
-
-class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
-    """argparse's "(default: X)" after an option's help, unless the help already says its
-    default in words: a None, or a flag's True or False, would read as something else
-    (`--no-docs (default: False)`). An on/off pair names the form that is the default
-    (`--prefix-caching/--no-prefix-caching ... (default: --prefix-caching)`); a list
-    default reads as typed (`8 32`)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text.lower() or not action.option_strings:
-            return text
-        if isinstance(action, argparse.BooleanOptionalAction) and isinstance(action.default, bool):
-            on, off = action.option_strings
-            return f"{text} (default: {on if action.default else off})"
-        if action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
-            return text
-        shown = (" ".join(map(str, action.default)) if isinstance(action.default, (list, tuple))
-                 else action.default)
-        return f"{text} (default: {str(shown).replace('%', '%%')})"
 
 
 def _add(p: argparse.ArgumentParser, e: Experiment) -> None:

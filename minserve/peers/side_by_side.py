@@ -237,7 +237,7 @@ def commands(args, model_dir: str) -> list[ServerCommand]:
 
 
 def parser() -> argparse.ArgumentParser:
-    from ..bench.cli import DefaultsHelp  # the defaults said as every minserve command says them
+    from ..bench.registry import DefaultsHelp  # defaults said as minserve says them
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelp)
     p.add_argument("--peers", default="minserve,vllm,hf",
