@@ -99,11 +99,10 @@ def run_remote(s, rec: PrefillRecord) -> None:
             rec.promoted.append(chunk["request_id"])
             rec.remote["transfers"][chunk["request_id"]] = remote.transfers.pop(
                 chunk["request_id"], None)
-    sent, waiting, refused = remote.send(list(s.prefilling))
+    sent, refused = remote.send(list(s.prefilling))
     for req, why in refused:  # the worker is out of restarts for now: these rows fail alone
         failures.fail_row(s, req, "the prefill worker", RuntimeError(why), rec.failed)
-    rec.remote.update(sent=list(sent), pieces={rid: list(p) for rid, p in sent.items()},
-                      waiting=waiting)
+    rec.remote.update(sent)
     rec.remote["on_worker"] = [j["request_id"] for j in remote.snapshot()["on_worker"]
                                if not j["abandoned"]]
 

@@ -268,7 +268,9 @@ def test_each_forward_on_the_worker_is_shared_max_min_between_sessions_within_th
     (max_prefill_tokens), a piece at most a chunk; and it is shared max-min fair between
     the sessions whose rows want prompt tokens (a session gets less than another only if
     it got all it wanted), so a long prompt goes in pieces beside the others' and a
-    short one is not held behind it. The tokens are HF's."""
+    short one is not held behind it. The forward is padded to one of a few sizes (a
+    power of two to 64, then multiples of 64, or the budget: the worker's memory stays
+    bounded whatever the pieces). The tokens are HF's."""
     s, remote = engine.scheduler, engine.scheduler.remote
     remote.budget_tokens = budget
     try:
@@ -293,6 +295,8 @@ def test_each_forward_on_the_worker_is_shared_max_min_between_sessions_within_th
                     sent[rid] = b
             total = sum(given.values())
             assert total == min(budget, sum(wants.values()))  # within it, work-conserving
+            sizes = {1, 2, 4, 8, 16, 32, 64, budget} | set(range(128, budget, 64))
+            assert rec.remote["forward_tokens"] in sizes and rec.remote["forward_tokens"] >= total
             for u in given:  # max-min: less than another (by more than the odd token of
                 # a budget that does not divide) only when it got all it wanted
                 assert all(given[u] >= given[v] - 1 or given[u] == wants[u] for v in given), \
@@ -602,23 +606,46 @@ from minserve import Engine, EngineConfig, SamplingParams
 engine = Engine(EngineConfig(backend="paged", prefill_mode="disaggregated", device="cpu"))
 print(engine.generate(["Hi"], SamplingParams(max_tokens=2))[0].text)
 '''
+IDIOM = ('if __name__ == "__main__":', "#the-spawn-and-forkserver-start-methods")
+
+
+def run_script(path: Path, cwd: Path) -> tuple[str, float]:
+    """`python path`; its last line of stderr (it must fail), and how long it took."""
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(path)], cwd=cwd, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 1, r.stderr
+    return r.stderr.strip().splitlines()[-1], time.monotonic() - t0
 
 
 @pytest.mark.real_model
 def test_a_script_without_the_main_guard_fails_at_once_naming_the_idiom(tmp_path):
     """A student's first script, run as `python script.py`, builds a disaggregated engine
-    at its top level on the embedded model. The worker ("spawn") imports the script again
-    and stops there; the constructor raises at once, naming the idiom and the page that
-    explains it, instead of waiting for ever on a child that is gone."""
+    on the embedded model at its top level. The worker would run the script again
+    ("spawn"): the constructor raises at once, before loading anything, naming the line,
+    the idiom and the page that explains it, instead of waiting for ever on a child that
+    is gone."""
     script = tmp_path / "first.py"
     script.write_text(UNGUARDED)
-    t0 = time.monotonic()
-    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    took = time.monotonic() - t0
-    assert r.returncode == 1, r.stderr
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("RuntimeError: the prefill worker could not start"), r.stderr
-    assert 'if __name__ == "__main__":' in last and "#the-spawn-and-forkserver" in last
-    assert str(script) in last
+    last, took = run_script(script, tmp_path)
+    assert last.startswith(f"RuntimeError: {script}, line 3, builds an Engine"), last
+    assert all(s in last for s in IDIOM), last
     print(f"the unguarded script ended in {took:.1f} s")
+
+
+def test_a_worker_that_runs_the_script_again_stops_there_and_the_constructor_says_why(
+        tmp_path):
+    """Where the script's source cannot be read (run from its .pyc), the check in the
+    script's process cannot see the missing guard: the worker, running the script again,
+    recognises it before loading anything and exits with a code of its own; the
+    constructor, watching it, raises at once, naming the idiom."""
+    import py_compile
+
+    source = tmp_path / "first.py"
+    source.write_text("from minserve.models import tiny_llama\n" + UNGUARDED.replace(
+        'device="cpu")', 'device="cpu"), model=tiny_llama()').replace('["Hi"]', "[[1, 2]]"))
+    compiled = Path(py_compile.compile(str(source), cfile=str(tmp_path / "first.pyc")))
+    source.unlink()
+    last, _ = run_script(compiled, tmp_path)
+    assert last.startswith("RuntimeError: the prefill worker could not start"), last
+    assert all(s in last for s in IDIOM) and str(compiled) in last, last

@@ -63,6 +63,7 @@ from ..backends.kv_storage import KVBlockStorage
 from ..kv_cache import BlockManager, NoFreeBlocksError
 from ..request import Request
 from .process import RestartBudget, WorkerProcess, make_payload
+from .worker import forward_tokens
 
 log = logging.getLogger("minserve.disagg")
 
@@ -113,6 +114,7 @@ class Batch:
     n: int
     pieces: list[tuple[Job, int, int, int]]
     sent_at: float
+    tokens: int  # the forward's size: the pieces' tokens, padded (worker.forward_tokens)
     started: bool = False  # the worker said it is computing it
 
 
@@ -151,8 +153,12 @@ class PrefillWorker:
         s = self.storage
         n = self.staging_blocks or s.num_blocks
         self.budget_tokens = self.budget_tokens or self.chunk_tokens
-        self.staging = KVBlockStorage(n, s.block_size, s.num_layers, s.num_kv_heads, s.head_dim,
-                                      s.dtype, s.device).share_memory_()
+        # past the n blocks the decode side hands out: the worker's padding row (worker.py,
+        # `forward_tokens`: fewer than 64 tokens of it), written and never read
+        pad = -(-64 // s.block_size)
+        self.pad_table = list(range(n, n + pad))
+        self.staging = KVBlockStorage(n + pad, s.block_size, s.num_layers, s.num_kv_heads,
+                                      s.head_dim, s.dtype, s.device).share_memory_()
         self.staging_bm = BlockManager(n, s.block_size, enable_prefix_caching=False)
         vocab = self.model.get_output_embeddings().out_features
         self.max_jobs = 2 * self.max_batch_size  # final pieces in two batches, at most
@@ -181,7 +187,7 @@ class PrefillWorker:
     def _start(self) -> None:
         """Start a worker (it loads in the background while the decode side ticks on)."""
         self.process.start(make_payload(self.model, self.runner_kind, self.max_model_len,
-                                        self.staging, self.logits))
+                                        self.staging, self.logits, self.pad_table))
         self.ready, self.last_heard = False, time.monotonic()
 
     @property
@@ -246,9 +252,10 @@ class PrefillWorker:
         return failed
 
     def close(self) -> None:
-        """Stop the worker (idempotent): asked to exit if it holds no forward, else killed."""
+        """Stop the worker (idempotent): asked to exit if it is ready and holds no forward,
+        else (loading, computing, stopped, hung) killed: nothing of it is worth a wait."""
         atexit.unregister(self._at_exit)
-        self.process.stop(graceful=not self.batches)
+        self.process.stop(graceful=self.ready and not self.batches)
         self.state, self.ready = "closed", False
 
     # ------------------------------------------------------------- the scheduler's calls
@@ -260,20 +267,21 @@ class PrefillWorker:
         """A forward sent and not answered: something to wait for."""
         return bool(self.batches)
 
-    def send(self, rows: list[Request]) -> tuple[dict[str, tuple[int, int]], dict[str, str],
-                                                  list[tuple[Request, str]]]:
+    def send(self, rows: list[Request]) -> tuple[dict[str, Any], list[tuple[Request, str]]]:
         """T2's pieces for the prefilling `rows`, sent as one batch when the worker has none
-        queued (it computes one and holds at most one more). Returns ({request id: the
-        piece (start, end) sent}, {request id: why it got none}, [(row, why it is refused)]).
-        A row's first piece takes its staging blocks and copies its cached prefix in."""
+        queued (it computes one and holds at most one more). Returns what happened, for the
+        tick's record (`sent`: ids, `pieces`: {id: [start, end]}, `waiting`: {id: why it
+        got none}, `forward_tokens`: the forward's padded size), and the rows refused, with
+        why. A row's first piece takes its staging blocks and copies its cached prefix in."""
         if self.broken:
-            return {}, {}, [(r, self.broken) for r in rows if r.request_id not in self.arrived]
+            return {}, [(r, self.broken) for r in rows if r.request_id not in self.arrived]
         todo = [r for r in rows if r.request_id not in self.arrived and not r.cancel_requested]
         if not self.ready:
-            return {}, {r.request_id: "the prefill worker is starting" for r in todo}, []
+            return {"waiting": {r.request_id: "the prefill worker is starting" for r in todo}}, []
         if any(not b.started for b in self.batches.values()):
             why = "the prefill worker has a forward queued already"
-            return {}, {r.request_id: why for r in todo if self._next(r) < r.prefill_len}, []
+            return {"waiting": {r.request_id: why for r in todo
+                                if self._next(r) < r.prefill_len}}, []
         waiting, cands = {}, []
         for r in todo:
             job = self.jobs.get(r.request_id)
@@ -294,9 +302,12 @@ class PrefillWorker:
         for r in cands:
             if r.request_id not in waiting and all(p[0].req is not r for p in pieces):
                 waiting[r.request_id] = "no prompt tokens for it in this batch (its share was 0)"
+        out = {"sent": [job.req.request_id for job, *_ in pieces],
+               "pieces": {job.req.request_id: [a, b] for job, a, b, _ in pieces},
+               "waiting": waiting}
         if pieces:
-            self._dispatch(pieces)
-        return {job.req.request_id: (a, b) for job, a, b, _ in pieces}, waiting, []
+            out["forward_tokens"] = self._dispatch(pieces)
+        return out, []
 
     def _next(self, r: Request) -> int:
         job = self.jobs.get(r.request_id)
@@ -336,14 +347,16 @@ class PrefillWorker:
         self.counters["bytes_to_worker"] += sent
         return job
 
-    def _dispatch(self, pieces: list[tuple[Job, int, int, int]]) -> None:
+    def _dispatch(self, pieces: list[tuple[Job, int, int, int]]) -> int:
         if not self.batches:  # an idle worker's silence so far is not a hang
             self.last_heard = time.monotonic()
         n, self._seq = self._seq, self._seq + 1
-        self.batches[n] = Batch(n, pieces, time.monotonic())
+        tokens = forward_tokens(sum(b - a for _, a, b, _ in pieces), self.budget_tokens)
+        self.batches[n] = Batch(n, pieces, time.monotonic(), tokens)
         self.counters["batches"] += 1
         self.process.jobs.put(("batch", n, [(j.req.request_id, j.ids[a:b], a, j.table, slot)
-                                            for j, a, b, slot in pieces]))
+                                            for j, a, b, slot in pieces], tokens))
+        return tokens
 
     def poll(self, wait_s: float = 0.0) -> tuple[list[tuple[Request, int, int, Any]],
                                                  list[tuple[str, str]]]:
@@ -503,7 +516,8 @@ class PrefillWorker:
                                "waited_s": round(now - j.sent_at, 3)}
                               for rid, j in list(self.jobs.items())],
                 "forwards_in_flight": [{"tokens": sum(b - a for _, a, b, _ in x.pieces),
-                             "rows": len(x.pieces), "started": x.started} for x in batches],
+                                        "padded_to": x.tokens, "rows": len(x.pieces),
+                                        "started": x.started} for x in batches],
                 "arrived": list(self.arrived),
                 "staging_blocks_used": self.staging_bm.num_blocks - self.staging_bm.num_free_blocks(),
                 "staging_blocks": self.staging_bm.num_blocks, "broken": self.broken,

@@ -53,12 +53,18 @@ IDIOM = ('put the code that builds and uses the Engine under `if __name__ == "__
 
 
 def refuse_spawn_reimport() -> None:
-    """Called first thing when an engine with a prefill worker is built. multiprocessing's
-    "spawn" starts the worker as a fresh interpreter that imports the main script again
-    (as `__mp_main__`) before it runs anything else; a script that builds its Engine at
-    the top level, without `if __name__ == "__main__":`, would build another one here,
-    inside the worker being started. Stop now, with a line that says why, and an exit code
-    the parent recognises (`start_failure`), before any model is loaded."""
+    """Called first thing when an engine with a prefill worker is built, before any model
+    is loaded. multiprocessing's "spawn" starts the worker as a fresh interpreter that
+    runs the main script again (as `__mp_main__`) before anything else; a script that
+    builds its Engine at the top level, without `if __name__ == "__main__":`, would build
+    another one in the worker being started, which would start another... (CPython stops
+    that with an error in the child; the parent used to wait for ever for it).
+
+    In the script's own process: if the main script's top-level code is running outside
+    such a guard (`unguarded_main_line`), the worker would run it again: raise now, naming
+    the line and the idiom. In the worker being started (the check above could not read
+    the script): exit with a line that says why and a code the parent recognises
+    (`start_failure`)."""
     import multiprocessing.process
 
     if getattr(multiprocessing.process.current_process(), "_inheriting", False):
@@ -66,6 +72,40 @@ def refuse_spawn_reimport() -> None:
               f"your main script again (multiprocessing's \"spawn\" does that): {IDIOM}",
               file=sys.stderr, flush=True)
         raise SystemExit(SPAWN_REIMPORT_EXIT)
+    if (where := unguarded_main_line()) is not None:
+        raise RuntimeError(f"{where[0]}, line {where[1]}, builds an Engine with a prefill "
+                           "worker at the top level of the main script: the worker is "
+                           "started with multiprocessing's \"spawn\", a fresh Python that runs "
+                           f"the main script again and would build another one: {IDIOM}")
+
+
+def unguarded_main_line() -> tuple[str, int] | None:
+    """(path, line) where the main script's top-level code is now, if it is running and
+    that line is not inside an `if __name__ == "__main__":` block; else None (no main
+    script: Jupyter, `python -c`; not running its top level now; its source unreadable)."""
+    import ast
+    import inspect
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    frame = inspect.currentframe()
+    while frame is not None and not (frame.f_globals is getattr(main, "__dict__", None)
+                                     and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None or not path:
+        return None
+    line = frame.f_lineno
+    try:
+        tree = ast.parse(open(path, encoding="utf-8").read())
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and node.lineno <= line <= node.end_lineno:
+            names = {n.id for n in ast.walk(node.test) if isinstance(n, ast.Name)}
+            texts = {n.value for n in ast.walk(node.test) if isinstance(n, ast.Constant)}
+            if "__name__" in names and "__main__" in texts:
+                return None
+    return path, line
 
 
 @contextmanager
@@ -248,14 +288,14 @@ class WorkerProcess:
             self.proc.join(5)
 
     def stop(self, graceful: bool) -> None:
-        """End the process and let go of its queues. `graceful`: ask it to exit first
-        (it holds no work), for up to 2 s; then, or else, SIGKILL."""
+        """End the process and let go of its channels. `graceful`: ask it to exit first
+        (it holds no work), for up to 1 s; then, or else, SIGKILL."""
         if self.proc is None:
             return
         if graceful and self.proc.is_alive():
             try:
                 self.jobs.put(None)
-                self.proc.join(2)
+                self.proc.join(1)
             except (OSError, ValueError):
                 pass
         self.kill()
