@@ -326,26 +326,30 @@ def death() -> dict[str, Any]:
 
 
 def health() -> dict[str, Any]:
-    """Four deaths of the worker, each after the new one is ready: what /health, a request
-    and the log say. Then, on a fresh server, a terminal hangup to the process group."""
+    """Four deaths of the worker, each followed by a request (which makes any engine look
+    at its worker) and a wait for a new worker: what the requests, /health and the log
+    say. Then, on a fresh server, a terminal hangup to the process group."""
     out: dict[str, Any] = {}
     with serve(*DISAGG) as srv:
+        statuses = []
         for i in range(4):
             w = srv.worker()
-            if not w.get("pid"):
-                break
-            os.kill(w["pid"], signal.SIGKILL)
-            if i < 3:
-                deadline = time.monotonic() + 120
-                while time.monotonic() < deadline:
-                    now = srv.worker()
-                    if now.get("pid") not in (None, w["pid"]) and now.get("ready"):
-                        break
-                    time.sleep(0.3)
+            try:
+                os.kill(w["pid"], signal.SIGKILL)
+            except (ProcessLookupError, TypeError):
+                pass
             time.sleep(1.0)
+            statuses.append(srv.complete(ALICE, prompt(i, 8), 2).status_code)
+            deadline = time.monotonic() + 60
+            while i < 3 and time.monotonic() < deadline:  # a new worker, ready
+                now = srv.worker()
+                if now.get("pid") not in (None, w["pid"]) and now.get("ready"):
+                    break
+                time.sleep(0.3)
         h = httpx.get(srv.url + "/health", timeout=10)
-        r = srv.complete(ALICE, prompt(1, 8), 2)
+        r = srv.complete(ALICE, prompt(9, 8), 2)
         out["after_4_deaths"] = {
+            "request_statuses_after_each_death": statuses,
             "health_status": h.status_code, "health": h.json(),
             "request_status": r.status_code, "request_error": r.text[:300],
             "log_lines_on_restarts": [ln[:200] for ln in srv.lines if "restart" in ln.lower()]}

@@ -9,11 +9,12 @@ process (worker.py, started and stopped by process.py) and the decode side's han
 
 The worker computes what chunked prefill would compute on the decode side, planned the
 same way (`send`): each prefilling row's next piece of at most `chunk_tokens`, all
-pieces together within a budget (`max_prefill_tokens`, C5) split max-min fair between
-tenants, then sessions, then rows (`shares.split_prompt_tokens`, H6). Those pieces are
-ONE forward on the worker (a "batch"); the worker holds at most the batch it computes
-and one more queued, so a newcomer's piece waits for at most two forwards of the budget,
-never behind a long prompt's whole prefill or a tenant's whole backlog:
+pieces together within half the budget (`max_prefill_tokens`, C5) split max-min fair
+between tenants, then sessions, then rows (`shares.split_prompt_tokens`, H6). Those
+pieces are ONE forward on the worker (a "batch"); the worker holds at most the batch it
+computes and one more queued, so a newcomer's first piece waits behind at most a
+budget's worth of others' tokens, never a long prompt's whole prefill or a tenant's
+whole backlog:
 
     T1 admit (unchanged)     T2 (execute.run_remote)               at the promotion (C3)
     ────────────────────     ───────────────────────               ─────────────────────
@@ -127,8 +128,9 @@ class PrefillWorker:
     any admitted prompt fits); `max_batch_size`: the engine's rows (a batch carries at
     most one piece of each; the logits buffer has a slot for every final piece of two
     batches); `threads`: the worker's torch threads; `timeout_s`: how long one forward
-    may take on the worker; `chunk_tokens`: a row's piece at most; `budget_tokens`: a
-    batch's pieces together at most (C5; None: `chunk_tokens`)."""
+    may take on the worker; `chunk_tokens`: a row's piece at most; `budget_tokens`: the
+    prompt tokens on the worker at once (C5; None: `chunk_tokens`): the forward it
+    computes and the one queued behind it, at most half of it each (`forward_budget`)."""
 
     model: torch.nn.Module
     storage: KVBlockStorage
@@ -189,6 +191,7 @@ class PrefillWorker:
         self.process.start(make_payload(self.model, self.runner_kind, self.max_model_len,
                                         self.staging, self.logits, self.pad_table))
         self.ready, self.last_heard = False, time.monotonic()
+        self.booted_at = time.perf_counter()  # when this worker was started (lesson 08)
 
     @property
     def proc(self):
@@ -278,7 +281,7 @@ class PrefillWorker:
         todo = [r for r in rows if r.request_id not in self.arrived and not r.cancel_requested]
         if not self.ready:
             return {"waiting": {r.request_id: "the prefill worker is starting" for r in todo}}, []
-        if any(not b.started for b in self.batches.values()):
+        if self._queued():
             why = "the prefill worker has a forward queued already"
             return {"waiting": {r.request_id: why for r in todo
                                 if self._next(r) < r.prefill_len}}, []
@@ -309,6 +312,19 @@ class PrefillWorker:
             out["forward_tokens"] = self._dispatch(pieces)
         return out, []
 
+    def _queued(self) -> list[Batch]:
+        """The batches sent and not started that still carry a live row's piece (one whose
+        rows were all abandoned will be skipped there: the next may queue behind it)."""
+        return [b for b in self.batches.values()
+                if not b.started and any(not j.abandoned for j, *_ in b.pieces)]
+
+    @property
+    def forward_budget(self) -> int:
+        """One forward's prompt tokens at most: half the budget, since the worker holds two
+        (so a newcomer waits for at most a budget's worth of others' tokens, as in a tick
+        of chunked prefill, before the forward that carries its first piece)."""
+        return max(1, self.budget_tokens // 2)
+
     def _next(self, r: Request) -> int:
         job = self.jobs.get(r.request_id)
         return job.sent if job is not None and job.req is r else r.num_computed_prompt_tokens
@@ -321,7 +337,7 @@ class PrefillWorker:
         if suspect is not None:
             return [(suspect, min(self.chunk_tokens, suspect.prefill_len - self._next(suspect)))]
         wants = [min(self.chunk_tokens, r.prefill_len - self._next(r)) for r in rows]
-        give = shares.split_prompt_tokens(rows, wants, self.budget_tokens)
+        give = shares.split_prompt_tokens(rows, wants, self.forward_budget)
         return [(r, g) for r, g in zip(rows, give) if g > 0]
 
     def _open(self, req: Request, waiting: dict[str, str]) -> Job | None:
@@ -351,7 +367,7 @@ class PrefillWorker:
         if not self.batches:  # an idle worker's silence so far is not a hang
             self.last_heard = time.monotonic()
         n, self._seq = self._seq, self._seq + 1
-        tokens = forward_tokens(sum(b - a for _, a, b, _ in pieces), self.budget_tokens)
+        tokens = forward_tokens(sum(b - a for _, a, b, _ in pieces), self.forward_budget)
         self.batches[n] = Batch(n, pieces, time.monotonic(), tokens)
         self.counters["batches"] += 1
         self.process.jobs.put(("batch", n, [(j.req.request_id, j.ids[a:b], a, j.table, slot)
@@ -538,6 +554,6 @@ class PrefillWorker:
                                      f"sent {j.sent}, prompt {len(j.ids)}")
             if not self.staging_bm.has_seq(rid):
                 raise AssertionError(f"{rid!r} has no staging blocks")
-        if len([b for b in self.batches.values() if not b.started]) > 1:
-            raise AssertionError("more than one batch queued on the prefill worker")
+        if len(self._queued()) > 1:
+            raise AssertionError("more than one live batch queued on the prefill worker")
         self.staging_bm.check_invariants()

@@ -88,8 +88,8 @@ def serve_prefills(load, jobs, results, threads: int) -> None:
                 if msg is None:
                     return
                 if msg[0] == "drop":
-                    for batch in waiting:
-                        batch[2].add(msg[1])
+                    for *_, dropped in waiting:
+                        dropped.add(msg[1])
                 else:
                     waiting.append((*msg[1:], set()))  # (n, pieces, tokens, its dropped rids)
         except queue.Empty:
