@@ -223,7 +223,8 @@ class WorkerProcess:
 
     @property
     def pid(self) -> int | None:
-        return None if self.proc is None else self.proc.pid
+        proc = self.proc  # read once: `/health` asks from another thread
+        return None if proc is None else proc.pid
 
     def is_alive(self) -> bool:
         return self.proc is not None and self.proc.is_alive()
