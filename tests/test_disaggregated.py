@@ -73,7 +73,12 @@ def disagg(model, **cfg):
 
 @pytest.fixture(scope="module")
 def engine(model):
-    e = disagg(model)
+    # SIGHUP as a terminal leaves it (under nohup the worker would inherit its "ignore")
+    old = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        e = disagg(model)
+    finally:
+        signal.signal(signal.SIGHUP, old)
     yield e
     e.close()
 
