@@ -13,7 +13,8 @@ the embedded model). Slow: minutes per finding on two busy cores, more before th
 
     startup   a script that builds the engine without `if __name__ == "__main__":`
     flood     one tenant's 8 prompts of 2,000 tokens, another's 8-token chat 1 s later
-    cancel    40 prompts of 2,000 tokens abandoned, then a fresh request; staging when idle
+    cancel    40 prompts of 2,000 tokens abandoned, then a fresh request
+    idle      the same, then nothing: how long the staging blocks stay in use
     death     12 prompts on the worker, kill -9 of the worker: how many fail
     health    four deaths: /health, the refusals, the log; a hangup to the process group
     shutdown  a death with prompts queued, then one SIGTERM; a stopped worker, one SIGTERM
@@ -259,30 +260,35 @@ def flood() -> dict[str, Any]:
     return out
 
 
+def storm(srv: Server, n: int = 40) -> None:
+    """`n` streamed prompts of 2,000 tokens from alice whose clients hang up within 1.5 s."""
+    rng = random.Random(0)
+    hang_up_after = [rng.uniform(0.2, 1.5) for _ in range(n)]
+
+    def abandon(i, after):  # a client that sends its request, then closes the socket
+        body = json.dumps({"prompt": prompt(i, 2000), "max_tokens": 8, "stream": True}).encode()
+        host, port = srv.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Authorization: Bearer " + ALICE.encode() + b"\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            time.sleep(after)
+
+    ts, _ = in_threads([lambda i=i, t=t: abandon(i, t) for i, t in enumerate(hang_up_after)])
+    for t in ts:
+        t.join()
+
+
 def cancel() -> dict[str, Any]:
     """40 prompts of 2,000 tokens whose clients hang up within 1.5 s; then a fresh 4-token
-    request's first token; and how long an idle server takes to free the staging."""
+    request's first token, in the default mode and disaggregated (embedded model); and
+    what the worker's stats said just before it."""
     out = {}
     for mode, flags in (("default", DEFAULT), ("disaggregated", DISAGG)):
         with serve(*flags, model="embedded") as srv:
             srv.first_token_s(BOB, prompt(99, 4))  # warm-up
-            rng = random.Random(0)
-            hang_up_after = [rng.uniform(0.2, 1.5) for _ in range(40)]
-
-            def abandon(i, after):  # a client that sends its request, then closes the socket
-                body = json.dumps({"prompt": prompt(i, 2000), "max_tokens": 8,
-                                   "stream": True}).encode()
-                host, port = srv.url.removeprefix("http://").split(":")
-                with socket.create_connection((host, int(port)), timeout=10) as sock:
-                    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                                 b"Authorization: Bearer " + ALICE.encode() + b"\r\n"
-                                 b"Content-Type: application/json\r\nContent-Length: "
-                                 + str(len(body)).encode() + b"\r\n\r\n" + body)
-                    time.sleep(after)
-
-            ts, _ = in_threads([lambda i=i, t=t: abandon(i, t) for i, t in enumerate(hang_up_after)])
-            for t in ts:
-                t.join()
+            storm(srv)
             time.sleep(0.5)
             worker = srv.worker() if mode == "disaggregated" else {}
             fresh = srv.first_token_s(BOB, prompt(1000, 4))
@@ -291,16 +297,24 @@ def cancel() -> dict[str, Any]:
                 row["worker_after_storm"] = {k: worker.get(k) for k in (
                     "staging_blocks_used", "staging_blocks", "dropped_tokens", "abandoned")}
                 row["on_worker_listed"] = len(worker.get("on_worker", []))
-                t0, used = time.monotonic(), None
-                while time.monotonic() - t0 < 120:  # idle: nothing sent from here on
-                    used = srv.worker().get("staging_blocks_used")
-                    if used == 0:
-                        break
-                    time.sleep(1.0)
-                row["idle_s_until_staging_free"] = (round(time.monotonic() - t0, 1)
-                                                    if used == 0 else f">120 ({used} used)")
             out[mode] = row
     return out
+
+
+def idle() -> dict[str, Any]:
+    """The same storm, then nothing: how long an idle server keeps the abandoned prompts'
+    staging blocks "used" (embedded model)."""
+    with serve(*DISAGG, model="embedded") as srv:
+        srv.first_token_s(BOB, prompt(99, 4))
+        storm(srv)
+        t0, seen = time.monotonic(), []
+        while time.monotonic() - t0 < 120:  # no request from here on
+            seen.append(srv.worker().get("staging_blocks_used"))
+            if seen[-1] == 0:
+                break
+            time.sleep(1.0)
+        return {"staging_used_after_storm": seen[0], "idle_s_until_free":
+                round(time.monotonic() - t0, 1) if seen[-1] == 0 else f">120 ({seen[-1]} used)"}
 
 
 def death() -> dict[str, Any]:
@@ -444,7 +458,7 @@ def memory(n: int = 1000, every: int = 100, clients: int = 8) -> dict[str, Any]:
                 "worker_pid_unchanged": srv.worker().get("pid") == worker}
 
 
-FINDINGS = {"startup": startup, "flood": flood, "cancel": cancel, "death": death,
+FINDINGS = {"startup": startup, "flood": flood, "cancel": cancel, "idle": idle, "death": death,
             "health": health, "shutdown": shutdown, "orphans": orphans, "memory": memory}
 
 
