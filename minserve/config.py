@@ -107,7 +107,7 @@ class EngineConfig:
     # for prompts only), split max-min fair between tenants, then rows (shares.py).
     # None: no budget beyond each prefilling row's chunk. Needs chunked, mixed_batch or
     # disaggregated (there: the prompt tokens on the prefill worker at once, two forwards
-    # of half of it; None -> one chunk).
+    # of half of it; None: forwards of one chunk).
     max_prefill_tokens: int | None = None
     # disaggregated (disagg/): the prefill worker's torch threads (None: half the cores,
     # at least 1), and how long one of its forwards may take (and it may take to start,

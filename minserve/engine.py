@@ -119,13 +119,13 @@ class Engine:
         if config.prefill_mode == "disaggregated":  # prompts on a worker process (disagg/)
             from .disagg.connector import PrefillWorker
 
-            chunk = config.prefill_chunk_size or 512
             remote = self.scheduler.remote = PrefillWorker(
                 model, storage, self.block_manager, runner_kind=config.model_runner,
                 max_model_len=self.max_model_len, max_batch_size=config.max_batch_size,
                 threads=config.prefill_worker_threads or max(1, (os.cpu_count() or 2) // 2),
-                timeout_s=config.prefill_timeout_s, chunk_tokens=chunk,
-                budget_tokens=config.max_prefill_tokens or chunk)
+                timeout_s=config.prefill_timeout_s,
+                chunk_tokens=config.prefill_chunk_size or 512,
+                budget_tokens=config.max_prefill_tokens)
             # stopped with the engine (`close`), or when it is collected, or at exit
             weakref.finalize(self, remote.close)
             try:  # loaded before the first prompt; a worker that dies first raises here, at once

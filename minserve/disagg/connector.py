@@ -128,9 +128,10 @@ class PrefillWorker:
     any admitted prompt fits); `max_batch_size`: the engine's rows (a batch carries at
     most one piece of each; the logits buffer has a slot for every final piece of two
     batches); `threads`: the worker's torch threads; `timeout_s`: how long one forward
-    may take on the worker; `chunk_tokens`: a row's piece at most; `budget_tokens`: the
-    prompt tokens on the worker at once (C5; None: `chunk_tokens`): the forward it
-    computes and the one queued behind it, at most half of it each (`forward_budget`)."""
+    may take on the worker; `chunk_tokens`: a row's piece at most; `budget_tokens`
+    (`max_prefill_tokens`, C5): the prompt tokens on the worker at once, the forward it
+    computes and the one queued behind it, at most half of it each; None: no budget
+    beyond the chunk, a forward of at most `chunk_tokens` (`forward_budget`)."""
 
     model: torch.nn.Module
     storage: KVBlockStorage
@@ -154,7 +155,6 @@ class PrefillWorker:
     def __post_init__(self) -> None:
         s = self.storage
         n = self.staging_blocks or s.num_blocks
-        self.budget_tokens = self.budget_tokens or self.chunk_tokens
         # past the n blocks the decode side hands out: the worker's padding row (worker.py,
         # `forward_tokens`: fewer than 64 tokens of it), written and never read
         pad = -(-64 // s.block_size)
@@ -322,7 +322,10 @@ class PrefillWorker:
     def forward_budget(self) -> int:
         """One forward's prompt tokens at most: half the budget, since the worker holds two
         (so a newcomer waits for at most a budget's worth of others' tokens, as in a tick
-        of chunked prefill, before the forward that carries its first piece)."""
+        of chunked prefill, before the forward that carries its first piece); without a
+        budget, a chunk."""
+        if self.budget_tokens is None:
+            return self.chunk_tokens
         return max(1, self.budget_tokens // 2)
 
     def _next(self, r: Request) -> int:
