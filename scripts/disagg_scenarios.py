@@ -297,6 +297,7 @@ def cancel() -> dict[str, Any]:
                 row["worker_after_storm"] = {k: worker.get(k) for k in (
                     "staging_blocks_used", "staging_blocks", "dropped_tokens", "abandoned")}
                 row["on_worker_listed"] = len(worker.get("on_worker", []))
+                row["worker_restarts_after"] = srv.worker().get("restarts")  # none expected
             out[mode] = row
     return out
 
@@ -314,7 +315,8 @@ def idle() -> dict[str, Any]:
                 break
             time.sleep(1.0)
         return {"staging_used_after_storm": seen[0], "idle_s_until_free":
-                round(time.monotonic() - t0, 1) if seen[-1] == 0 else f">120 ({seen[-1]} used)"}
+                round(time.monotonic() - t0, 1) if seen[-1] == 0 else f">120 ({seen[-1]} used)",
+                "worker_restarts": srv.worker().get("restarts")}  # none expected
 
 
 def death() -> dict[str, Any]:

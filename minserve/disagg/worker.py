@@ -79,12 +79,11 @@ def serve_prefills(load, jobs, results, threads: int) -> None:
     waiting: deque = deque()  # batches read off the queue, not yet computed
     while True:
         # Read everything the decode side sent since the last forward, so that a "drop"
-        # reaches the pieces queued before it (the queue is first in, first out).
+        # reaches the pieces queued before it (the queue is first in, first out); wait
+        # while there is no batch (a "drop" alone is not one).
         try:
-            block = not waiting
             while True:
-                msg = jobs.get(block=block)
-                block = False
+                msg = jobs.get(block=not waiting)
                 if msg is None:
                     return
                 if msg[0] == "drop":
