@@ -265,7 +265,7 @@ def test_the_worker_raising_on_one_prompt_fails_that_row_alone(engine, model):
     assert s.is_drained() and s.remote.snapshot()["errors"] >= 1
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lengths=st.lists(st.integers(1, 40), min_size=2, max_size=5),
        sessions=st.lists(st.sampled_from("abc"), min_size=5, max_size=5),
        budget=st.integers(8, 64))
@@ -636,19 +636,24 @@ def test_a_script_without_the_main_guard_fails_at_once_naming_the_idiom(tmp_path
     print(f"the unguarded script ended in {took:.1f} s")
 
 
-def test_a_worker_that_runs_the_script_again_stops_there_and_the_constructor_says_why(
-        tmp_path):
-    """Where the script's source cannot be read (run from its .pyc), the check in the
-    script's process cannot see the missing guard: the worker, running the script again,
-    recognises it before loading anything and exits with a code of its own; the
-    constructor, watching it, raises at once, naming the idiom."""
-    import py_compile
+def test_a_worker_that_runs_the_script_again_stops_there_with_a_code_its_parent_names(
+        capsys, monkeypatch):
+    """Where the script's source cannot be read (the check above cannot see the missing
+    guard), the worker being started runs the script again: building the Engine there
+    stops at once, before any model is loaded, with a line that says why and the exit
+    code the parent turns into a RuntimeError naming the idiom."""
+    import multiprocessing.process
 
-    source = tmp_path / "first.py"
-    source.write_text("from minserve.models import tiny_llama\n" + UNGUARDED.replace(
-        'device="cpu")', 'device="cpu"), model=tiny_llama()').replace('["Hi"]', "[[1, 2]]"))
-    compiled = Path(py_compile.compile(str(source), cfile=str(tmp_path / "first.pyc")))
-    source.unlink()
-    last, _ = run_script(compiled, tmp_path)
-    assert last.startswith("RuntimeError: the prefill worker could not start"), last
-    assert all(s in last for s in IDIOM) and str(compiled) in last, last
+    from minserve.disagg import process
+
+    me = multiprocessing.process.current_process()
+    monkeypatch.setattr(me, "_inheriting", True, raising=False)  # what spawn's bootstrap sets
+    with pytest.raises(SystemExit) as stop:
+        Engine(EngineConfig(backend="paged", prefill_mode="disaggregated", device="cpu",
+                            model="no-such-model-is-loaded"))
+    assert stop.value.code == process.SPAWN_REIMPORT_EXIT
+    assert IDIOM[0] in capsys.readouterr().err
+    worker = process.WorkerProcess(threads=1)
+    worker.proc = type("Exited", (), {"exitcode": process.SPAWN_REIMPORT_EXIT})()
+    said = worker.start_failure()
+    assert said.startswith("the prefill worker could not start") and all(s in said for s in IDIOM)
