@@ -81,9 +81,10 @@ def run_remote(s, rec: PrefillRecord) -> None:
     between tenants, then sessions: C5, H6), when the worker has no forward queued.
     `rec.remote`: what was sent, what waits and why, what is on the worker, the transfers."""
     remote = s.remote
-    # Nothing to decode, prompts on the worker: wait for an answer (briefly) instead of
-    # spinning ticks, whose CPU the worker's forward would lose.
-    idle = not s.active and not len(s.policy) and remote.busy()
+    # Nothing to decode, prompts on the worker (or waiting for it to start): wait for an
+    # answer (briefly) instead of spinning ticks, whose CPU the worker would lose.
+    idle = not s.active and not len(s.policy) and (
+        remote.busy() or (bool(s.prefilling) and not remote.ready))
     done, lost = remote.poll(wait_s=0.05 if idle else 0.0)
     by_id = {r.request_id: r for r in s.prefilling}
     for rid, why in lost:
