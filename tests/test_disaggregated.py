@@ -555,7 +555,7 @@ def serve(model_dir: Path, *flags: str) -> tuple[subprocess.Popen, str]:
         except httpx.TransportError:
             return False
 
-    wait_until(up, 120, "minserve serve to come up")
+    wait_until(up, 300, "minserve serve to come up")  # a deadline: a loaded machine is slow
     return proc, url
 
 
