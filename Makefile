@@ -15,7 +15,7 @@ TORCH_INDEX ?=
 ARGS    ?=
 NB_PORT ?= 8888
 
-.PHONY: setup browser demo demo-cli serve notebooks notebooks-reset test test-fast screenshots lint clean labs lab-check class-bundle peers-bench site site-check
+.PHONY: setup browser demo demo-cli serve notebooks notebooks-reset test test-fast screenshots lint clean labs lab-check class-bundle peers-bench site site-check disagg-scenarios
 
 setup: $(STAMP)
 
@@ -119,6 +119,13 @@ site-check: setup browser
 peers-bench: setup
 	bash scripts/peers_setup.sh .peers/vllm
 	$(BIN)/python -m minserve.peers.side_by_side --write $(ARGS)
+
+# Not part of `make test`: the disaggregated prefill worker as a class meets it, on the real
+# server (a flood, a storm of abandoned prompts, deaths, a hangup, kill -9, a 1,000-request
+# memory soak), a JSON line per finding; minutes each (docs/backends.md). One finding:
+# make disagg-scenarios ARGS=memory
+disagg-scenarios: setup
+	$(BIN)/python scripts/disagg_scenarios.py $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check minserve tests app.py

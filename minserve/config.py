@@ -109,14 +109,16 @@ class EngineConfig:
     # --- prefill (C) ---------------------------------------------------------------
     prefill_mode: str = ""  # "" -> derived from prefill_chunk_size (C2)
     prefill_chunk_size: int = 0  # > 0 -> chunked prefill with chunks of this many tokens
-    # (disaggregated: the prefill worker's forwards, 0 -> 512 tokens each)
+    # (disaggregated: a row's piece in one of the prefill worker's forwards, 0 -> 512)
     # The prompt tokens one tick computes over all rows (vLLM's --max-num-batched-tokens,
     # for prompts only), split max-min fair between tenants, then rows (shares.py).
-    # None: no budget beyond each prefilling row's chunk. Needs chunked or mixed_batch.
+    # None: no budget beyond each prefilling row's chunk. Needs chunked, mixed_batch or
+    # disaggregated (there: the prompt tokens on the prefill worker at once, two forwards
+    # of half of it; None: forwards of one chunk).
     max_prefill_tokens: int | None = None
     # disaggregated (disagg/): the prefill worker's torch threads (None: half the cores,
-    # at least 1), and how long one prompt may take there before the worker is restarted
-    # and the rows it held fail (nothing waits forever).
+    # at least 1), and how long one of its forwards may take (and it may take to start,
+    # at least 120 s) before the worker is restarted (nothing waits forever).
     prefill_worker_threads: int | None = None
     prefill_timeout_s: float = 120.0
 
@@ -177,11 +179,10 @@ class EngineConfig:
              f"not backend={self.backend!r}")
         need(mode is not PrefillMode.CHUNKED or self.prefill_chunk_size > 0,
              "prefill_mode='chunked' needs prefill_chunk_size > 0")
-        need(self.max_prefill_tokens is None or mode not in (PrefillMode.MONOLITHIC,
-                                                              PrefillMode.DISAGGREGATED),
+        need(self.max_prefill_tokens is None or mode is not PrefillMode.MONOLITHIC,
              f"max_prefill_tokens={self.max_prefill_tokens} cuts prompts into pieces; "
              f"{mode.value} prefill computes each whole: set prefill_chunk_size > 0 (chunked) "
-             "or prefill_mode='mixed_batch', or max_prefill_tokens=None")
+             "or prefill_mode='mixed_batch' or 'disaggregated', or max_prefill_tokens=None")
         need(isinstance(self.prefill_timeout_s, (int, float)) and self.prefill_timeout_s > 0,
              f"prefill_timeout_s={self.prefill_timeout_s!r}; use seconds > 0")
 

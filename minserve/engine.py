@@ -61,6 +61,10 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, *, model: torch.nn.Module | None = None,
                  tokenizer=None) -> None:
         self.config = config = config or EngineConfig()
+        if config.prefill_mode == "disaggregated":  # before anything is loaded (disagg/)
+            from .disagg.process import refuse_spawn_reimport
+
+            refuse_spawn_reimport()  # this process is a prefill worker re-running a script
         if model is None:  # D1: "auto" may pick mps: refuse what it lacks before loading
             config.check_device(resolve_device(config.device).type)
             model, tokenizer = load_model(config.model, config.dtype, config.device)
@@ -116,16 +120,20 @@ class Engine:
         if config.prefill_mode == "disaggregated":  # prompts on a worker process (disagg/)
             from .disagg.connector import PrefillWorker
 
-            threads = config.prefill_worker_threads or max(1, (os.cpu_count() or 2) // 2)
-            self.scheduler.remote = PrefillWorker(
-                model, storage, self.block_manager, config.model_runner, self.max_model_len,
-                config.max_batch_size, threads, config.prefill_timeout_s,
-                chunk_tokens=config.prefill_chunk_size or 512)
-            # stopped with the engine (`close`), or when it is collected, or at exit (daemon)
-            weakref.finalize(self, self.scheduler.remote.close)
-            if not self.scheduler.remote.wait_ready():  # loaded before the first prompt
-                raise RuntimeError("the prefill worker did not start within prefill_timeout_s="
-                                   f"{config.prefill_timeout_s:g} s")
+            remote = self.scheduler.remote = PrefillWorker(
+                model, storage, self.block_manager, runner_kind=config.model_runner,
+                max_model_len=self.max_model_len, max_batch_size=config.max_batch_size,
+                threads=config.prefill_worker_threads or max(1, (os.cpu_count() or 2) // 2),
+                timeout_s=config.prefill_timeout_s,
+                chunk_tokens=config.prefill_chunk_size or 512,
+                budget_tokens=config.max_prefill_tokens)
+            # stopped with the engine (`close`), or when it is collected, or at exit
+            weakref.finalize(self, remote.close)
+            try:  # loaded before the first prompt; a worker that dies first raises here, at once
+                remote.wait_ready()
+            except BaseException:
+                remote.close()
+                raise
 
         self._seq = itertools.count()
         self._worker: threading.Thread | None = None
@@ -335,6 +343,9 @@ class Engine:
             try:
                 self.waker.flush()  # the last tick's tokens, as this tick's forward begins
                 if not self.scheduler.has_work():
+                    if self.scheduler.remote is not None:  # idle: the prefill worker's
+                        with self.scheduler.lock:  # answers free the staging of abandoned
+                            self.scheduler.remote.poll()  # prompts; a death is seen, and healed
                     self._wake.wait(timeout=0.1)
                     self._wake.clear()
                     continue

@@ -72,42 +72,40 @@ def defer_to_decode(s, pieces: list[Piece], rec: PrefillRecord) -> None:
 
 
 def run_remote(s, rec: PrefillRecord) -> None:
-    """disaggregated (disagg/connector.py): take what the prefill worker finished, send
-    what it has not got. A row whose KV arrived is posted as one final piece, from where
-    its KV started to the prompt's end (`post_pieces`: the splice at the promotion, K3,
-    its first token sampled from the worker's logits); a row the worker failed on, or
-    lost, fails alone. `rec.remote`: what was sent, what is on the worker, the transfers."""
+    """disaggregated (disagg/connector.py): T2's pieces, computed on the prefill worker
+    instead of here. First what it finished: each piece is posted as if computed here
+    (`post_pieces`: counted and charged, P3; a final piece promotes the row, its KV spliced
+    in at the C3 seam and its first token sampled from the worker's logits); a row the
+    worker failed on, or could not compute, fails alone. Then `remote.send`: the next
+    pieces, planned as `_plan_prefill` plans them (each row's next chunk, the budget split
+    between tenants, then sessions: C5, H6), when the worker has no forward queued.
+    `rec.remote`: what was sent, what waits and why, what is on the worker, the transfers."""
     remote = s.remote
-    # Nothing to decode, prompts on the worker: wait for one (briefly) instead of spinning
-    # ticks, whose CPU the worker's forward would lose.
-    idle = not s.active and not len(s.policy) and any(remote.holds(r.request_id)
-                                                      for r in s.prefilling)
+    # Nothing to decode, prompts on the worker (or waiting for it to start): wait for an
+    # answer (briefly) instead of spinning ticks, whose CPU the worker would lose.
+    idle = not s.active and not len(s.policy) and (
+        remote.busy() or (bool(s.prefilling) and not remote.ready))
     done, lost = remote.poll(wait_s=0.05 if idle else 0.0)
     by_id = {r.request_id: r for r in s.prefilling}
     for rid, why in lost:
         if rid in by_id:
             failures.fail_row(s, by_id[rid], "the prefill worker", RuntimeError(why), rec.failed)
-    done = [(req, lg) for req, lg in done if by_id.get(req.request_id) is req]  # still here
-    pieces = [(req, req.num_computed_prompt_tokens, req.prefill_len) for req, _ in done]
-    logits = [lg for _, lg in done]
-    rec.remote = {"sent": [], "waiting": {}, "transfers": {}}
-    for _, chunk in post_pieces(s, pieces, logits, rec.failed):
+    done = [d for d in done if by_id.get(d[0].request_id) is d[0]]  # rows still here
+    rec.remote = {"sent": [], "pieces": {}, "waiting": {}, "transfers": {}}
+    for _, chunk in post_pieces(s, [(req, a, b) for req, a, b, _ in done],
+                                [logits for *_, logits in done], rec.failed):
+        chunk["on_worker"] = True
         rec.chunks.append(chunk)
-        rec.promoted.append(chunk["request_id"])
-        rec.remote["transfers"][chunk["request_id"]] = remote.transfers.pop(chunk["request_id"], None)
-    for req in list(s.prefilling):
-        if req.cancel_requested or remote.holds(req.request_id):
-            continue
-        try:
-            why = remote.send(req)
-        except Exception as e:  # the worker is broken for good: this row fails alone
-            failures.fail_row(s, req, "the prefill worker", e, rec.failed)
-            continue
-        if why is None:
-            rec.remote["sent"].append(req.request_id)
-        else:
-            rec.remote["waiting"][req.request_id] = why
-    rec.remote["on_worker"] = [j["request_id"] for j in remote.snapshot()["on_worker"]]
+        if chunk["final"]:
+            rec.promoted.append(chunk["request_id"])
+            rec.remote["transfers"][chunk["request_id"]] = remote.transfers.pop(
+                chunk["request_id"], None)
+    sent, refused = remote.send(list(s.prefilling))
+    for req, why in refused:  # the worker is out of restarts for now: these rows fail alone
+        failures.fail_row(s, req, "the prefill worker", RuntimeError(why), rec.failed)
+    rec.remote.update(sent)
+    rec.remote["on_worker"] = [j["request_id"] for j in remote.snapshot()["on_worker"]
+                               if not j["abandoned"]]
 
 
 def post_pieces(s, pieces: list[Piece], logits: list, failed: list) -> list[tuple[int, dict]]:

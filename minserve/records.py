@@ -38,8 +38,10 @@ class PrefillRecord:
     # each: {request_id, start, end, final, first_token (on the final chunk)}
     promoted: list[str] = field(default_factory=list)  # rows that entered `active`
     failed: list[dict[str, Any]] = field(default_factory=list)  # {request_id, error}: its piece raised
-    # prefill_mode="disaggregated": {sent: [ids], waiting: {id: why not sent},
-    # on_worker: [ids], transfers: {id: {blocks, bytes, ms, bytes_to_worker, worker_ms}}}
+    # prefill_mode="disaggregated": {sent: [ids], pieces: {id: [start, end]} sent,
+    # forward_tokens: their forward's padded size, waiting: {id: why not sent},
+    # on_worker: [ids], transfers: {id: {blocks, bytes, ms, bytes_to_worker, worker_ms}}};
+    # `chunks` holds the pieces the worker finished (`on_worker: True`)
     remote: dict[str, Any] = field(default_factory=dict)
 
 

@@ -280,20 +280,27 @@ def test_a_layer_fault_on_the_real_model_fails_its_batch_and_the_engine_serves_o
     model, tok = real_model
     engine = make_engine(model, tok, max_batch_size=8, prefill_chunk_size=32)
     state = arm_layer_fault(engine, "decode_step_batched", 2)
-    prompts = [f"Count to {i}:" for i in range(8)]
-    handles = [engine.submit(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts]
-    for _ in range(50):
-        if not engine.scheduler.has_work():
-            break
-        try:
-            engine.step()
-        except Exception as e:
-            engine.recover(e)
-        engine.check_invariants()
-    assert state["fired"] and engine.scheduler.is_drained()
-    assert {h.output.finish_reason for h in handles} == {"error"}
-    out = engine.generate("Hello", SamplingParams(max_tokens=3))[0]
-    assert out.finish_reason in ("length", "stop") and engine.scheduler.is_drained()
+    try:
+        prompts = [f"Count to {i}:" for i in range(8)]
+        handles = [engine.submit(p, SamplingParams(max_tokens=4, ignore_eos=True))
+                   for p in prompts]
+        for _ in range(50):
+            if not engine.scheduler.has_work():
+                break
+            try:
+                engine.step()
+            except Exception as e:
+                engine.recover(e)
+            engine.check_invariants()
+        assert state["fired"] and engine.scheduler.is_drained()
+        assert {h.output.finish_reason for h in handles} == {"error"}
+        out = engine.generate("Hello", SamplingParams(max_tokens=3))[0]
+        assert out.finish_reason in ("length", "stop") and engine.scheduler.is_drained()
+    finally:
+        # The model is the session's (conftest.real_model): a local function left on its
+        # layer would follow it into later tests (one that pickles it, for a prefill
+        # worker, fails: "Can't pickle local object")
+        del model.model.layers[1].forward
 
 
 @pytest.mark.parametrize("backend", ["padded", "paged"])

@@ -257,9 +257,12 @@ def request_states(trace: Trace) -> dict[str, list[dict[str, Any]]]:
             touched.add(rid)
         remote = rec.prefill.remote
         moved = remote.get("transfers") or {}
-        for c in rec.prefill.chunks:
-            add(c["request_id"], t, PREFILL, f"tokens {c['start']}..{c['end']}"
-                + (" (last)" if c["final"] else "")
+        for c in rec.prefill.chunks:  # disaggregated: pieces the prefill worker finished
+            # (the last one is drawn as prefill here: its KV moves in at this tick)
+            remote_piece = c.get("on_worker") and not c["final"]
+            add(c["request_id"], t, REMOTE if remote_piece else PREFILL,
+                f"tokens {c['start']}..{c['end']}" + (" (last)" if c["final"] else "")
+                + (" done on the prefill worker" if remote_piece else "")
                 + (f" on the prefill worker; {transfer_words(moved[c['request_id']])}"
                    if moved.get(c["request_id"]) else ""))
             touched.add(c["request_id"])
@@ -333,7 +336,8 @@ def describe_phase(rec) -> str:
         moved = rec.remote.get("transfers") or {}
         parts = [f"{c['request_id']} tokens {c['start']}..{c['end']}"
                  + (f" on the prefill worker ({transfer_words(moved[c['request_id']])})"
-                    if moved.get(c["request_id"]) else "")
+                    if moved.get(c["request_id"]) else
+                    " done on the prefill worker" if c.get("on_worker") else "")
                  + (f" (last chunk, first token {c['first_token']})" if c["final"] else "")
                  for c in rec.chunks]
         if rec.promoted:
@@ -370,8 +374,12 @@ def remote_words(remote: dict[str, Any]) -> list[str]:
     if not remote:
         return []
     parts = []
-    if remote.get("sent"):
-        parts.append("sent to the prefill worker: " + ", ".join(remote["sent"]))
+    if remote.get("sent"):  # one forward there: each row's piece
+        pieces = remote.get("pieces", {})
+        parts.append("sent to the prefill worker: " + ", ".join(
+            f"{rid} tokens {pieces[rid][0]}..{pieces[rid][1]}" if rid in pieces else rid
+            for rid in remote["sent"]) + (f" (one forward of {remote['forward_tokens']} tokens)"
+                                          if remote.get("forward_tokens") else ""))
     parts += [f"{rid} waits to be sent ({why})" for rid, why in remote.get("waiting", {}).items()]
     if remote.get("on_worker"):
         parts.append("on the prefill worker: " + ", ".join(remote["on_worker"]))
@@ -384,8 +392,11 @@ def worker_words(worker: dict[str, Any]) -> str:
     spliced, its staging pool. No pid, no clock: the same run prints the same line."""
     if worker.get("broken"):
         return f"prefill worker: broken: {worker['broken']}"
-    jobs = [f"{j['request_id']} ({j['tokens']} tokens, "
-            f"{'being computed' if j['started'] else 'queued'})" for j in worker["on_worker"]]
+    jobs = [f"{j['request_id']} ({j['tokens']} tokens, {j.get('computed', 0)} computed, "
+            + ("abandoned: its pieces there dropped" if j.get("abandoned") else
+               "a piece being computed" if j["started"] else
+               "a piece queued" if j.get("sent", 0) > j.get("computed", 0) else "not sent")
+            + ")" for j in worker["on_worker"]]
     state = "" if worker.get("alive", True) else " (not running)"
     line = f"prefill worker{state}: " + ("; ".join(jobs) if jobs else "no prompt on it")
     if worker.get("arrived"):

@@ -271,12 +271,28 @@ def create_app(engine: Engine, *, api_key: str | None = None, manage_engine: boo
         if not alive:
             body["error"] = OpenAIError(503, "the engine's worker thread is not running",
                                         "server_error", code="worker_dead").body()["error"]
-        return JSONResponse(body, status_code=200 if alive else 503)
+        elif (down := prefill_worker_down(engine)) is not None:  # new prompts are refused
+            body.update(status="unhealthy", error=down.body()["error"])
+        if engine.scheduler.remote is not None:  # disaggregated: the prefill worker (H8)
+            body["prefill_worker"] = engine.scheduler.remote.health()
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     # HEAD /health: what some load balancers probe with (same answer, no body)
     app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
     install_teacher_routes(app, caller)  # usage.csv, /admin/reload-keys (teacher.py)
     return app
+
+
+def prefill_worker_down(engine: Engine) -> OpenAIError | None:
+    """disaggregated (SPEC H8): the prefill worker died past its restart budget, so the
+    engine refuses new prompts until it starts one again: a 503 saying so and when (plain
+    reads: `/health` calls it too)."""
+    remote = engine.scheduler.remote
+    if remote is None or remote.state != "given_up":
+        return None
+    retry = remote.health().get("retry_in_s", 0)
+    return OpenAIError(503, f"{remote.broken} (see GET /health)", "server_error",
+                       code="prefill_worker_down", headers={"Retry-After": str(int(retry) + 1)})
 
 
 # ==================================================================== one request
@@ -315,6 +331,8 @@ async def _generate(engine: Engine, request: Request, body: GenerationRequest, i
     if not engine.running:  # nobody would ever tick this request: say so instead of hanging
         raise OpenAIError(503, "the engine's worker thread is not running (see GET /health)",
                           "server_error", code="worker_dead")
+    if (down := prefill_worker_down(engine)) is not None:  # it would fail at its first tick
+        raise down
     try:
         handle = engine.submit(ids, sampling, session_id=tenant.engine_session(session),
                                priority=body.priority, request_id=engine_id,

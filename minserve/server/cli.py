@@ -265,7 +265,7 @@ def engine_config_from_args(args: argparse.Namespace, env: dict[str, str] | None
             value = (defaults or {}).get(name)
         if value is not None:
             values[name] = value
-    whole = values.get("prefill_mode") in ("monolithic", "disaggregated")
+    whole = values.get("prefill_mode") == "monolithic"
     if whole and values.get("max_prefill_tokens") == (defaults or {}).get("max_prefill_tokens") \
             and getattr(args, "max_prefill_tokens", None) is None \
             and not env.get(env_name("max_prefill_tokens")):
