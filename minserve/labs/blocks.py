@@ -254,3 +254,180 @@ def check_units(cls, secret: str | int = 0) -> None:
     check_free_and_lru(cls)
     check_shared_free(cls)
     check_chain_with_gap(cls, secret)
+
+
+# ------------------------------------------------------------------ hidden: against the engine
+CONTRACT = {
+    "init": "BlockManagerLab(num_blocks, block_size, True) starts with every block free.",
+    "allocate": "allocate_prompt(seq, tokens) shares the longest cached prefix of whole, "
+                "computed blocks (the chained-hash walk, stopping at the first miss, never "
+                "the block holding the last token: K2), takes new blocks for the rest (the "
+                "free list's first id, else the least recently used cached block), and "
+                "returns the cached token count; NoFreeBlocksError, changing nothing, when "
+                "the pool is too small.",
+    "computed": "mark_computed(seq, tokens, n) publishes the full computed blocks (K3).",
+    "grow": "append_slots(seq, n) grows the table with new blocks (free first, else the least "
+            "recently used cached one); NoFreeBlocksError when none is left.",
+    "free": "free(seq) drops seq: every per-sequence entry (_tables, _seq_len, _seq_hashes, "
+            "_seq_salt) goes; ref_count - 1 per block, back to front; a block at 0 becomes "
+            "cached (hashed, newest in the LRU order) or free (appended to the free list). "
+            "An unknown id is ignored.",
+    "query": "cached_prefix_len / blocks_needed / _cached_blocks only read: the longest "
+             "cached prefix (whole blocks, at most (len - 1) // block_size of them).",
+    "take": "_take_block() with nothing free and nothing cached raises NoFreeBlocksError.",
+    "state": "every block is in exactly one of free / cached / used, with the ref counts, "
+             "hashes and token counts the engine's BlockManager gives it; the free list is "
+             "a queue (taken from the left, given back on the right), the cached ones are "
+             "in LRU order.",
+}
+
+
+def _where5(method: str) -> str:
+    return f"BlockManagerLab.{method}; {WHERE}"
+
+
+def _state(bm) -> dict:
+    """What a block manager's state is, as plain data (the submission's is read the same)."""
+    blocks = [(b.ref_count, b.block_hash,
+               b.num_tokens if b.ref_count or b.block_hash is not None else "-")
+              for b in bm.blocks]
+    per_seq = {name: sorted(getattr(bm, name)) for name in
+               ("_tables", "_seq_len", "_seq_hashes", "_seq_salt")}
+    return {"blocks (ref_count, hash, num_tokens)": blocks,
+            "block tables": {s: list(t) for s, t in sorted(bm._tables.items())},
+            "per-sequence entries": per_seq,
+            "free list": list(bm._free), "cached, LRU first": list(bm._evictable),
+            "hash table": sorted(bm._hash_to_block.items()),
+            "counters (evictions, hit tokens, query tokens)":
+                (bm.evictions, bm.prefix_hit_tokens, bm.prefix_query_tokens)}
+
+
+def _machine():
+    from .differential import Differential, choose
+
+    class Machine(Differential):
+        submission: type
+        OPS = ((4, "allocate"), (3, "computed"), (2, "grow"), (4, "free"), (2, "query"),
+               (1, "take"))
+
+        def setup(self, arg) -> None:
+            self.num_blocks, arg = choose((3, 4, 5, 6, 8), arg)
+            self.size, arg = choose((1, 2, 2, 3, 4), arg)
+            # block-sized chunks that prompts are made of, so that prefixes repeat
+            self.chunks = [[100 + 10 * c + t for t in range(self.size)] for c in range(3)]
+            self.tokens: dict[str, list[int]] = {}
+            self.n = 0
+            args = (self.num_blocks, self.size, True)
+            self.ref = self.sub = None
+            self.ref, self.sub = self.call(
+                f"bm = BlockManagerLab(num_blocks={self.num_blocks}, block_size={self.size}, "
+                "enable_prefix_caching=True)", lambda: BlockManager(*args),
+                lambda: self.submission(*args), sentence=CONTRACT["init"],
+                where=_where5("__init__"))
+
+        def observe(self):
+            if self.sub is None:
+                return []
+            ref, sub = _state(self.ref), self.read(lambda: _state(self.sub))
+            if isinstance(sub, str):
+                return [("its state", "readable", sub, CONTRACT["state"], WHERE)]
+            seen = [(name, ref[name], sub[name], CONTRACT["state"], WHERE) for name in ref]
+            return seen + [("check_invariants()", "passes", self.read(
+                lambda: self.sub.check_invariants() or "passes"), CONTRACT["state"], WHERE)]
+
+        def _prompt(self, arg) -> tuple[list[int], int]:
+            """A prompt of whole chunks (0-4 of them, from 3: prefixes repeat) and a tail;
+            one time in three, exactly as many blocks as are free now (an exactly full pool)."""
+            full, arg = choose((False, False, True), arg)
+            k, arg = choose((0, 1, 2, 2, 3, 4), arg)
+            tail, arg = choose((0, 1, self.size - 1), arg)
+            if full:
+                k, tail = self.ref.num_free_blocks(), 0
+            tokens = []
+            for _ in range(k):
+                c, arg = choose(self.chunks, arg)
+                tokens += c
+            tokens += [7 + t for t in range(tail)]
+            return tokens or [7], arg
+
+        def _seq(self, arg, new: bool) -> tuple[str, int]:
+            known = sorted(self.tokens)
+            if new or not known:
+                self.n += 1
+                return f"s{self.n}", arg
+            return choose(known, arg)
+
+        def _both(self, text, method, *args, sentence, where, canon=None):
+            return self.call(text, lambda: getattr(self.ref, method)(*args),
+                             lambda: getattr(self.sub, method)(*args),
+                             ref_canon=canon or (lambda v: v), sentence=sentence,
+                             where=where)
+
+        def op_allocate(self, arg):
+            again, arg = choose((False, False, False, False, True), arg)
+            seq, arg = self._seq(arg, new=not again)
+            tokens, _ = self._prompt(arg)
+            ref, _ = self._both(f"bm.allocate_prompt({seq!r}, {tokens})", "allocate_prompt",
+                                seq, tokens, sentence=CONTRACT["allocate"],
+                                where=_where5("_cached_blocks / _take_block"))
+            if self.ref.has_seq(seq) and seq not in self.tokens:
+                self.tokens[seq] = tokens
+
+        def op_computed(self, arg):
+            if not self.tokens:
+                return self.op_allocate(arg)
+            seq, arg = self._seq(arg, new=False)
+            tokens = self.tokens[seq]
+            n, _ = choose((len(tokens), len(tokens), len(tokens) // 2), arg)
+            self._both(f"bm.mark_computed({seq!r}, {tokens}, {n})", "mark_computed", seq, tokens,
+                       n, sentence=CONTRACT["computed"], where=_where5("_take_block / free"))
+
+        def op_grow(self, arg):
+            if not self.tokens:
+                return self.op_allocate(arg)
+            seq, arg = self._seq(arg, new=False)
+            extra, _ = choose((1, 1, self.size, 2 * self.size + 1), arg)
+            n = self.ref._seq_len[seq] + extra
+            self._both(f"bm.append_slots({seq!r}, {n})", "append_slots", seq, n,
+                       sentence=CONTRACT["grow"], where=_where5("_take_block"))
+
+        def op_free(self, arg):
+            unknown, arg = choose((False, False, False, True), arg)
+            if unknown or not self.tokens:
+                seq = choose(("nobody", f"s{self.n + 1}", "s0"), arg)[0]
+            else:
+                seq, _ = self._seq(arg, new=False)
+                del self.tokens[seq]
+            self._both(f"bm.free({seq!r})" + ("  # an id it does not hold" if unknown else ""),
+                       "free", seq, sentence=CONTRACT["free"], where=_where5("free"))
+
+        def op_query(self, arg):
+            method, arg = choose(("cached_prefix_len", "blocks_needed", "_cached_blocks"), arg)
+            tokens, _ = self._prompt(arg)
+            self._both(f"bm.{method}({tokens})", method, tokens, sentence=CONTRACT["query"],
+                       where=_where5("_cached_blocks"))
+
+        def op_take(self, arg):
+            if self.ref.num_free_blocks():  # only where no caller would reach it
+                return self.op_allocate(arg)
+            self._both("bm._take_block()  # nothing free, nothing cached", "_take_block",
+                       sentence=CONTRACT["take"], where=_where5("_take_block"),
+                       canon=lambda b: b.block_id)
+
+    return Machine
+
+
+@guarded_check(60, reference, WHERE)
+def check_against_the_engine(cls, hidden) -> None:
+    """Hidden: BlockManagerLab beside the engine's BlockManager on random sequences drawn
+    from the instructor's secret: allocations of prompts made of repeating chunks (shared
+    prefixes, exactly full pools, an id allocated twice), mark_computed, append_slots,
+    frees (unknown ids too), read-only queries, a _take_block with nothing left. After
+    every step: what each call returned or raised, every block's state, the tables, the
+    free list and the LRU order, the per-sequence entries, the counters."""
+    from .differential import run
+
+    check_defines(cls)
+    run(_machine(), hidden, "lab5/blocks", piece="your BlockManagerLab",
+        reference="the engine's BlockManager", where=WHERE, bind={"submission": cls},
+        examples=120, steps=30)

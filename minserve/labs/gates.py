@@ -10,7 +10,7 @@ from .. import gates as core_gates
 from ..engine import Engine
 from ..request import Rejection
 from ..sampling import SamplingParams
-from .common import drain, fail, secret_rng, student, tiny_engine
+from .common import drain, fail, secret_rng, show, student, tiny_engine
 from .guard import guarded_check
 
 WHERE = "the gate table in docs/gates.md (G1-G6) and notebook 05_backpressure_gates.ipynb"
@@ -222,3 +222,111 @@ def check_units(g1, g2, g3, secret: str | int = 0) -> None:
     check_g3(g3)
     check_boundaries(g1, g2, g3)
     check_g3_cached(g3, secret)
+
+
+# ------------------------------------------------------------------ hidden: against the engine
+CONTRACT = {
+    "check_queue_capacity": "G1 refuses (hard, queue_full) when pending >= max_queue_size, "
+                            "however far beyond it pending already is (preempted rows come "
+                            "back to pending without passing G1); else it passes (None).",
+    "check_kv_budget": "G2 refuses (hard, kv_budget_exceeded) when need > budget: it can never "
+                       "fit; else holds (soft, kv_budget) when reserved + need > budget; else "
+                       "passes (None). Exactly full (reserved + need == budget) passes.",
+    "check_block_pool": "G3 refuses (hard, prompt_exceeds_block_pool) when prompt_blocks > "
+                        "num_blocks; else holds (soft, block_pool) when blocks_needed > "
+                        "free_blocks; else passes (None). Exactly full passes.",
+    "numbers": "a rejection carries a message and the numbers that decided it, under the "
+               "names of the gate's own arguments (G6).",
+}
+
+
+def _lab_verdict(args: dict):
+    """canon of a gate's answer under the lab's contract: None, or (gate, reason, hard,
+    whether its numbers hold the call's inputs and it has a message). Field types are
+    checked exactly: a look-alike answer is named for what it is."""
+    from .differential import WrongKind
+
+    def canon(got):
+        if got is None:
+            return None
+        if not isinstance(got, Rejection):
+            raise WrongKind(f"{show(got)}, which is neither None nor a Rejection")
+        fields = (got.gate, got.reason, got.hard)
+        if not (type(got.gate) is str and type(got.reason) is str and type(got.hard) is bool):
+            raise WrongKind(f"a Rejection whose gate, reason, hard are {fields!r}")
+        numbers = got.numbers if type(got.numbers) is dict else {}
+        missing = sorted(k for k, v in args.items() if numbers.get(k) != v)
+        said = "numbers hold the inputs" if not missing else f"numbers lack {missing}"
+        message = "with a message" if type(got.message) is str and got.message else "no message"
+        return (*fields, said, message)
+
+    return canon
+
+
+def _engine_verdict(got):
+    """The engine's answer in the lab's terms (its numbers use the engine's own names)."""
+    if got is None:
+        return None
+    return (got.gate, got.reason, got.hard, "numbers hold the inputs", "with a message")
+
+
+def _near(base: int, arg: int) -> tuple[int, int]:
+    """A number at, just below, just above or far from `base` (never negative)."""
+    from .differential import choose
+
+    d, arg = choose((0, 0, -1, 1, -2, 3, 17, -base), arg)
+    return max(0, base + d), arg
+
+
+def _machine():
+    from .differential import Differential, choose
+
+    class Machine(Differential):
+        g1: object
+        g2: object
+        g3: object
+        OPS = ((1, "g1"), (2, "g2"), (2, "g3"))
+
+        def _gate(self, name, fn, args):
+            text = f"{name}({', '.join(f'{k}={v}' for k, v in args.items())})"
+            self.call(text, lambda: getattr(core_gates, name)(*args.values()),
+                      lambda: fn(**args), ref_canon=_engine_verdict, sub_canon=_lab_verdict(args),
+                      sentence=f"{CONTRACT[name]} {CONTRACT['numbers']}",
+                      where=f"{name}; {WHERE}")
+
+        def op_g1(self, arg):
+            size, arg = choose((1, 2, 3, 4, 8, 64), arg)
+            pending, _ = _near(size, arg)
+            self._gate("check_queue_capacity", self.g1,
+                       {"pending": pending, "max_queue_size": size})
+
+        def op_g2(self, arg):
+            budget, arg = choose((8, 16, 40, 64, 100), arg)
+            need, arg = _near(choose((budget, budget // 2, 1, budget // 3), arg)[0], arg >> 2)
+            room, arg = choose((budget - need, budget - need, 0, budget, need), arg)
+            reserved, _ = _near(max(0, room), arg)
+            self._gate("check_kv_budget", self.g2,
+                       {"need": need, "reserved": reserved, "budget": budget})
+
+        def op_g3(self, arg):
+            pool, arg = choose((1, 4, 6, 8, 32), arg)
+            prompt, arg = _near(pool, arg)
+            free, arg = choose((pool, 0, pool // 2, 1), arg)
+            needed, _ = _near(choose((free, prompt, 1), arg)[0], arg >> 2)
+            self._gate("check_block_pool", self.g3,
+                       {"blocks_needed": needed, "free_blocks": min(free, pool),
+                        "prompt_blocks": prompt, "num_blocks": pool})
+
+    return Machine
+
+
+@guarded_check(60, reference, WHERE)
+def check_against_the_engine(g1, g2, g3, hidden) -> None:
+    """Hidden: the three gates beside minserve's own on random calls drawn from the
+    instructor's secret, biased to the boundaries (exactly full, one over, far over, a
+    queue already beyond its size, a prompt as big as the pool): the same verdict every
+    time (gate, reason, hard), with the call's numbers and a message."""
+    from .differential import run
+
+    run(_machine(), hidden, "lab2/gates", piece="your gates", reference="minserve's own gates",
+        where=WHERE, bind={"g1": g1, "g2": g2, "g3": g3}, examples=60, steps=20)

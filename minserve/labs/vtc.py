@@ -391,3 +391,222 @@ def check_in_engine(cls) -> list[str]:
              f"{len(order)} behind alice's backlog ({order}); under VTC he is the least served "
              "and goes right after alice's first", WHERE)
     return order
+
+
+# ------------------------------------------------------------------ hidden: against the engine
+class OneClockVTC:
+    """The lab's VTC as the engine computes it: FairPolicy's counters, charge and lift,
+    with one clock for every priority tier (the lab keeps one `last_left` and lifts to the
+    least counter among *all* waiting sessions; FairPolicy keeps a clock per tier), and
+    the lab's order: the key (-priority, counter, arrival_seq). FairPolicy is given
+    copies of the requests at priority 0, so its one tier is the lab's one clock; a
+    preempted request re-enters through on_request_arrived, as Policy's default hook does
+    for VTCLab (FairPolicy's own hook re-enters without a lift)."""
+
+    def __init__(self, w_in: float, w_out: float) -> None:
+        self.fair = FairPolicy(w_in, w_out)
+        self.priority: dict[str, int] = {}  # request id -> its real priority
+
+    def key(self, req) -> tuple:
+        return (-self.priority[req.request_id], self.fair.counters.get(req.session_id, 0.0),
+                req.arrival_seq)
+
+    def order(self) -> list:
+        return sorted(self.fair._waiting, key=self.key)
+
+    def on_request_arrived(self, req, priority: int) -> None:
+        self.priority[req.request_id] = priority
+        self.fair.on_request_arrived(req)
+
+    def peek_next(self):
+        order = self.order()
+        return order[0] if order else None
+
+    def pick_next(self):
+        return self.fair.pick(self.peek_next())
+
+    def remove(self, req) -> None:
+        self.fair.remove(req)
+
+    def on_tokens_processed(self, req, prompt_tokens: int, output_tokens: int) -> None:
+        self.fair.on_tokens_processed(req, prompt_tokens, output_tokens)
+
+    def on_request_finished(self, req) -> None:
+        self.fair.on_request_finished(req)
+
+    def __len__(self) -> int:
+        return len(self.fair)
+
+
+SESSIONS = ("amy", "bo", "cy", "dan")
+LAB3_PRIORITIES = (0, 0, 0, 0, 1, 1, -1, 2, -3)
+CONTRACT = {
+    "init": "VTCLab(w_in, w_out) starts with no counters and nothing waiting.",
+    "arrive": "on_request_arrived(req) enqueues req; if its session has nothing waiting "
+              "(rows running do not count), its counter is lifted to the clock, "
+              "max(own, clock): the least counter among the sessions with requests waiting, "
+              "or, when nobody waits, the current counter of last_left (P4).",
+    "again": "a preempted request comes back through on_request_preempted, which (Policy's "
+             "default) is on_request_arrived again: the same lift, its own arrival_seq.",
+    "charge": "on_tokens_processed(req, p, o) adds w_in * p + w_out * o to its session's "
+              "counter (P3).",
+    "finish": "on_request_finished(req) changes no counter: a session keeps its debt when "
+              "it comes back (P4: max, not =).",
+    "peek": "peek_next() returns the request the key puts first: (-priority, the counter of "
+            "its session, arrival_seq), so equal counters go in arrival order.",
+    "pick": "pick_next() removes and returns the head that peek_next() returned.",
+    "remove": "remove(req) takes exactly that request out; when the queue empties, "
+              "last_left is its session.",
+    "len": "len(policy) is the number of requests waiting.",
+    "iter": "iter(policy) lists the waiting requests by the key.",
+    "counters": "counters[session] is the session's weighted service plus its lifts.",
+    "same": "a policy orders and charges requests; it never changes them.",
+}
+
+
+def _where3(hook: str) -> str:
+    return f"VTCLab.{hook}; {WHERE}"
+
+
+def _machine():
+    from .differential import Differential, Twins, choose
+
+    class Machine(Differential):
+        submission: type
+        OPS = ((4, "arrive"), (1, "again"), (2, "peek"), (3, "pick"), (3, "decode"),
+               (2, "finish"), (1, "remove"))
+
+        def setup(self, arg) -> None:
+            (self.w_in, self.w_out), _ = choose(((1.0, 2.0), (1.0, 1.0), (0.5, 3.0), (0.0, 1.0),
+                                                 (2.0, 0.5)), arg)
+            self.reqs = Twins()
+            self.seq = 0
+            self.running: list[str] = []
+            self.sessions: set[str] = set()
+            self.ref = self.sub = None
+            w = (self.w_in, self.w_out)
+            self.ref, self.sub = self.call(f"p = VTCLab(w_in={self.w_in:g}, w_out={self.w_out:g})",
+                                           lambda: OneClockVTC(*w),
+                                           lambda: self.submission(*w),
+                                           sentence=CONTRACT["init"], where=_where3("__init__"))
+
+        def observe(self):
+            if self.sub is None:
+                return []
+            order = self.ref.order()
+
+            def counters(p):
+                return {s: p.counters.get(s, 0.0) for s in sorted(self.sessions)}
+
+            return [
+                ("len(p)", len(self.ref), self.read(lambda: len(self.sub)), CONTRACT["len"],
+                 _where3("__len__")),
+                ("p.counters (missing: 0)", {s: self.ref.fair.counters.get(s, 0.0)
+                                             for s in sorted(self.sessions)},
+                 self.read(lambda: counters(self.sub)), CONTRACT["counters"],
+                 _where3("on_request_arrived / on_tokens_processed")),
+                ("list(p) (request ids in order)", [r.request_id for r in order],
+                 self.read(lambda: [self.reqs.sub_id(r) for r in self.sub]), CONTRACT["iter"],
+                 _where3("key")),
+                ("requests whose fields changed", [], self.reqs.changed(), CONTRACT["same"],
+                 "VTCLab; " + WHERE),
+            ]
+
+        def _describe(self, rid) -> str:
+            r = self.reqs.sub[rid]
+            return (f"{rid} (session {r.session_id}, priority {r.priority}, prompt "
+                    f"{r.prompt_len}, arrival_seq {r.arrival_seq})")
+
+        def op_arrive(self, arg):
+            session, arg = choose(SESSIONS, arg)
+            priority, arg = choose(LAB3_PRIORITIES, arg)
+            prompt, arg = choose((1, 2, 5, 8, 12), arg)
+            gap, _ = choose((1, 1, 2, 7), arg)
+            self.seq += gap
+            rid = self.reqs.add(self.seq, session, prompt=prompt, out=3, priority=priority,
+                                ref_priority=0)
+            self.sessions.add(session)
+            self._arrive(rid, f"p.on_request_arrived({self._describe(rid)})", CONTRACT["arrive"],
+                         "on_request_arrived")
+
+        def _arrive(self, rid, text, sentence, hook):
+            ref, sub = self.reqs.ref[rid], self.reqs.sub[rid]
+            priority = self.reqs.sub[rid].priority
+            self.call(text, lambda: self.ref.on_request_arrived(ref, priority),
+                      lambda: getattr(self.sub, hook)(sub), sentence=sentence,
+                      where=_where3("on_request_arrived"))
+
+        def op_again(self, arg):
+            if not self.running:
+                return self.op_arrive(arg)
+            rid, _ = choose(self.running, arg)
+            self.running.remove(rid)
+            self._arrive(rid, f"p.on_request_preempted({rid})  # it was running: back to wait",
+                         CONTRACT["again"], "on_request_preempted")
+
+        def op_peek(self, arg):
+            self.call("p.peek_next()", self.ref.peek_next, self.sub.peek_next,
+                      ref_canon=self.reqs.ref_id, sub_canon=self.reqs.sub_id,
+                      sentence=CONTRACT["peek"], where=_where3("key"))
+
+        def op_pick(self, arg):
+            if not len(self.ref):
+                return self.op_arrive(arg)
+            self.op_peek(arg)
+            got, _ = self.call("p.pick_next()", self.ref.pick_next, self.sub.pick_next,
+                               ref_canon=self.reqs.ref_id, sub_canon=self.reqs.sub_id,
+                               sentence=CONTRACT["pick"], where=_where3("key"))
+            rid = got.request_id
+            self.running.append(rid)
+            prompt = self.reqs.sub[rid].prompt_len  # its prefill is charged at once
+            self._charge(rid, prompt, 0)
+
+        def _charge(self, rid, p, o):
+            ref, sub = self.reqs.ref[rid], self.reqs.sub[rid]
+            self.call(f"p.on_tokens_processed({rid}, {p}, {o})",
+                      lambda: self.ref.on_tokens_processed(ref, p, o),
+                      lambda: self.sub.on_tokens_processed(sub, p, o), sentence=CONTRACT["charge"],
+                      where=_where3("on_tokens_processed"))
+
+        def op_decode(self, arg):
+            if not self.running:
+                return self.op_pick(arg)
+            rid, arg = choose(self.running, arg)
+            n, _ = choose((1, 1, 2, 5), arg)
+            self._charge(rid, 0, n)
+
+        def op_finish(self, arg):
+            if not self.running:
+                return self.op_pick(arg)
+            rid, _ = choose(self.running, arg)
+            self.running.remove(rid)
+            ref, sub = self.reqs.ref[rid], self.reqs.sub[rid]
+            self.call(f"p.on_request_finished({rid})", lambda: self.ref.on_request_finished(ref),
+                      lambda: self.sub.on_request_finished(sub), sentence=CONTRACT["finish"],
+                      where=_where3("on_request_finished"))
+
+        def op_remove(self, arg):
+            waiting = [r.request_id for r in self.ref.order()]
+            if not waiting:
+                return self.op_arrive(arg)
+            rid, _ = choose(waiting, arg)
+            ref, sub = self.reqs.ref[rid], self.reqs.sub[rid]
+            self.call(f"p.remove({rid})", lambda: self.ref.remove(ref),
+                      lambda: self.sub.remove(sub), sentence=CONTRACT["remove"],
+                      where=_where3("remove"))
+
+    return Machine
+
+
+@guarded_check(60, reference, WHERE)
+def check_against_the_engine(cls, hidden) -> None:
+    """Hidden: VTCLab beside the engine's VTC (FairPolicy, one clock for all tiers as the
+    lab asks) on random sequences drawn from the instructor's secret: arrivals from a few
+    sessions at several priorities, peeks, picks charged for their prompt, decode charges,
+    finishes, removes, preempted rows coming back. After every step: what each call
+    returned, len, the order, and every session's counter."""
+    from .differential import run
+
+    run(_machine(), hidden, "lab3/vtc", piece="your VTCLab",
+        reference="the engine's VTC (FairPolicy, one clock)", where=WHERE,
+        bind={"submission": cls}, examples=120, steps=30)
