@@ -326,3 +326,248 @@ def score(cls, seed: int = 0, sessions: str = "alice=3,bob=1,carol=1",
 
 def table(runs: list[RunResult]) -> str:
     return markdown_table(runs, baseline="fcfs")
+
+
+# ------------------------------------------------------------------ hidden: properties
+WAIT_BOUND = 40  # the lab states it: overtakes by later arrivals of the same priority
+CAPSTONE_PRIORITIES = (0, 0, 0, 0, 1, 1, 2, -1, -2, 3, 7)
+CAPSTONE_SESSIONS = ("ann", "ben", "cat", "dov")
+CONTRACT7 = {
+    "init": "MyPolicy() makes an empty queue.",
+    "len": "len(policy) is the number of requests waiting.",
+    "iter_set": "iter(policy) lists every waiting request once, and nothing else.",
+    "peek_waiting": "peek_next() returns a request that waits now (None only when nothing "
+                    "waits): every arrival, pick and remove counts at the next peek.",
+    "peek_stable": "peek_next() only looks: two peeks in a row return the same request and "
+                   "change nothing.",
+    "tiers": "a higher priority always goes first (P1), for any two priorities, however long "
+             "the others have waited: peek_next() returns a request of the highest priority "
+             "waiting.",
+    "iter_head": "iter(policy) yields the waiting requests in admission order, the head "
+                 "(what peek_next() returns) first.",
+    "pick": "pick_next() removes and returns the request peek_next() just returned.",
+    "remove": "remove(req) takes exactly that request out.",
+    "iter_order": "iter(policy) lists the waiting requests in the order pick_next() would "
+                  "take them if nothing else happened (no arrival, no other hook).",
+    "wait": f"bounded wait: no request waits while more than {WAIT_BOUND} requests of its "
+            "own priority that arrived after it are admitted ahead of it (a long request "
+            "in a busy session included).",
+}
+
+
+def _where7(hook: str) -> str:
+    return f"MyPolicy.{hook}; {WHERE}"
+
+
+def _property_machine():
+    import contextlib
+
+    from .differential import Differential, Hang, Twins, call_limit, choose
+
+    class Machine(Differential):
+        submission: type
+        OPS = ((5, "arrive"), (2, "peek"), (4, "pick"), (1, "remove"), (1, "busy"),
+               (1, "drain"))
+
+        def setup(self, arg) -> None:
+            self.reqs = Twins()
+            self.fast = False  # inside a busy period: its reads share one time limit
+            self.seq = 0
+            self.waiting: list[str] = []  # ids, in arrival order
+            self.overtaken: dict[str, int] = {}  # id -> later same-priority arrivals admitted
+            self.sub = None
+            _, self.sub = self.call("p = MyPolicy()", lambda: None, self.submission,
+                                    sentence=CONTRACT7["init"], where=_where7("__init__"))
+
+        def rid(self, value) -> str | None:
+            return self.reqs.sub_id(value)
+
+        def observe(self):
+            """The contract after every step, read off the policy itself."""
+            if self.sub is None:
+                return []
+            p, want = self.sub, sorted(self.waiting)
+            size = self.read(lambda: len(p))
+            listed = self.read(lambda: [self.rid(r) for r in p])
+            head = self.read(lambda: self.rid(p.peek_next()))
+            again = self.read(lambda: self.rid(p.peek_next()))
+            top = max((self.reqs.sub[r].priority for r in self.waiting), default=None)
+            self.expect(size == len(self.waiting), "len(p)", str(len(self.waiting)), str(size),
+                        CONTRACT7["len"], _where7("__len__"))
+            self.expect(isinstance(listed, list) and sorted(listed) == want, "list(p)",
+                        f"the waiting requests {want}", str(listed), CONTRACT7["iter_set"],
+                        _where7("__iter__"))
+            self.expect(head in self.waiting if self.waiting else head is None,
+                        "p.peek_next()", f"one of the waiting requests {want}" if want
+                        else "None", str(head), CONTRACT7["peek_waiting"],
+                        _where7("peek_next"))
+            self.expect(again == head and self.read(lambda: len(p)) == size,
+                        "a second p.peek_next()", f"{head} again, len {size}",
+                        f"{again}, len {self.read(lambda: len(p))}", CONTRACT7["peek_stable"],
+                        _where7("peek_next"))
+            if want:
+                prio = self.reqs.sub[head].priority
+                self.expect(prio == top, "p.peek_next()", f"a request of priority {top}",
+                            f"{head} (priority {prio})", CONTRACT7["tiers"], _where7("key"))
+                self.expect(listed[0] == head, "list(p)[0]", f"{head}, what peek_next returns",
+                            f"{listed[:4]}...", CONTRACT7["iter_head"], _where7("__iter__"))
+            return []
+
+        def _describe(self, rid) -> str:
+            r = self.reqs.sub[rid]
+            return (f"{rid} (session {r.session_id}, priority {r.priority}, "
+                    f"{r.prompt_len} + {r.max_tokens} tokens, arrival_seq {r.arrival_seq})")
+
+        def _new(self, arg, priority=None, session=None, size=None) -> tuple[str, int]:
+            if priority is None:
+                tie, arg = choose((True, False), arg)
+                pool = [self.reqs.sub[r].priority for r in self.waiting] if tie else []
+                priority, arg = choose(pool or CAPSTONE_PRIORITIES, arg)
+            if session is None:
+                session, arg = choose(CAPSTONE_SESSIONS, arg)
+            if size is None:
+                size, arg = choose(((3, 3), (6, 2), (12, 8), (30, 10), (40, 24), (2, 1)), arg)
+            self.seq += 1
+            rid = self.reqs.add(self.seq, session, prompt=size[0], out=size[1],
+                                priority=priority)
+            return rid, arg
+
+        def _arrive(self, rid, quiet=False):
+            sub = self.reqs.sub[rid]
+            text = f"p.on_request_arrived({self._describe(rid)})"
+            self.waiting.append(rid)
+            self.overtaken[rid] = 0
+            if quiet:
+                outcome_ok = self.read(lambda: self.sub.on_request_arrived(sub) or "ok",
+                                       None if self.fast else 2.0)
+                self.expect(outcome_ok == "ok", text, "it returns", outcome_ok,
+                            CONTRACT7["peek_waiting"], _where7("on_request_arrived"))
+            else:
+                self.call(text, lambda: None, lambda: self.sub.on_request_arrived(sub),
+                          sentence=CONTRACT7["peek_waiting"], where=_where7("on_request_arrived"))
+
+        def op_arrive(self, arg):
+            rid, _ = self._new(arg)
+            self._arrive(rid)
+
+        def op_peek(self, arg):
+            self.steps.append("p.peek_next()")
+            self.check_observables()
+
+        def _pick(self, quiet=False) -> str | None:
+            if not self.waiting:
+                return None
+            limit = None if self.fast else 2.0
+            head = self.read(lambda: self.rid(self.sub.peek_next()), limit)
+            got = self.read(lambda: self.rid(self.sub.pick_next()), limit)
+            if not quiet:
+                self.steps.append("p.peek_next(); p.pick_next()")
+            self.expect(got == head and got in self.waiting, "p.pick_next()",
+                        f"{head}, what peek_next() returned", str(got), CONTRACT7["pick"],
+                        _where7("pick_next"))
+            # whoever was overtaken by this later arrival of their own priority
+            prio, seq = self.reqs.sub[got].priority, self.reqs.sub[got].arrival_seq
+            self.waiting.remove(got)
+            for r in self.waiting:
+                req = self.reqs.sub[r]
+                if req.priority == prio and req.arrival_seq < seq:
+                    self.overtaken[r] += 1
+                    self.expect(self.overtaken[r] <= WAIT_BOUND, f"{r} still waits",
+                                f"admitted before {WAIT_BOUND + 1} later arrivals of priority "
+                                f"{prio} are", f"{self.overtaken[r]} later arrivals of "
+                                f"priority {prio} admitted ahead of it ({self._describe(r)})",
+                                CONTRACT7["wait"], _where7("key"))
+            sub = self.reqs.sub[got]
+            self.read(lambda: self.sub.on_tokens_processed(sub, sub.prompt_len, 0), limit)
+            self.read(lambda: self.sub.on_tokens_processed(sub, 0, sub.max_tokens), limit)
+            self.read(lambda: self.sub.on_request_finished(sub), limit)
+            return got
+
+        def op_pick(self, arg):
+            if not self.waiting:
+                return self.op_arrive(arg)
+            self._pick()
+            self.check_observables()
+
+        def op_remove(self, arg):
+            if not self.waiting:
+                return self.op_arrive(arg)
+            head, arg = choose((True, False), arg)
+            target = self.read(lambda: self.rid(self.sub.peek_next())) if head else None
+            rid = target if target in self.waiting else choose(self.waiting, arg)[0]
+            sub = self.reqs.sub[rid]
+            self.waiting.remove(rid)
+            self.call(f"p.remove({rid})", lambda: None, lambda: self.sub.remove(sub),
+                      sentence=CONTRACT7["remove"], where=_where7("remove"))
+
+        def op_busy(self, arg):
+            """A busy period: k rounds of one arrival (one priority, session and size for
+            the whole period; often the priority of a request that waits), then one
+            admission. Each round checks the tiers (and each admission the wait bound);
+            the whole contract is checked at the end."""
+            k, arg = choose((10, 45, 120, 300, 600), arg)
+            mode, arg = choose(("tie", "above", "any"), arg)
+            waiting = [self.reqs.sub[r].priority for r in self.waiting]
+            priority, arg = choose(CAPSTONE_PRIORITIES, arg)
+            if waiting and mode == "tie":
+                priority, arg = choose(waiting, arg)
+            elif waiting and mode == "above":  # everyone waiting is below: tiers are tested
+                priority = max(waiting) + 1
+            session, arg = choose(CAPSTONE_SESSIONS, arg)
+            size, _ = choose(((3, 3), (6, 2), (2, 1)), arg)
+            self.steps.append(f"{k} rounds of: a {size[0]} + {size[1]}-token request of "
+                              f"session {session}, priority {priority} arrives; then "
+                              "p.peek_next(), p.pick_next(), its tokens and its finish")
+            text = self.steps[-1]
+            with contextlib.suppress(Hang), call_limit(20.0):  # the whole period, not per call
+                self.fast = True
+                for i in range(k):
+                    self.steps[-1] = f"{text}  [round {i + 1} of {k}]"
+                    rid, _ = self._new(0, priority=priority, session=session, size=size)
+                    self._arrive(rid, quiet=True)
+                    head = self.read(lambda: self.rid(self.sub.peek_next()), None)
+                    top = max(self.reqs.sub[r].priority for r in self.waiting)
+                    prio = self.reqs.sub[head].priority if head in self.waiting else None
+                    self.expect(prio == top, "p.peek_next()", f"a request of priority {top}",
+                                f"{head}" + ("" if prio is None else f" (priority {prio})"),
+                                CONTRACT7["tiers"] if prio is not None
+                                else CONTRACT7["peek_waiting"],
+                                _where7("key" if prio is not None else "peek_next"))
+                    self._pick(quiet=True)
+                self.fast = False
+            self.expect(not self.fast, "the busy period", "it ends", "it did not end within "
+                        "20 s: a hook that never returns?", CONTRACT7["pick"], WHERE)
+            self.steps[-1] = text
+            self.check_observables()
+
+        def op_drain(self, arg):
+            """iter(p) now, then picks with nothing else in between: the same order."""
+            if not self.waiting:
+                return self.op_arrive(arg)
+            listed = self.read(lambda: [self.rid(r) for r in self.sub])
+            self.steps.append(f"list(p) gives {listed}; then p.peek_next(), p.pick_next() until "
+                              "it is empty, nothing else in between")
+            picks = []
+            while self.waiting and len(picks) <= len(listed if isinstance(listed, list) else []):
+                picks.append(self._pick(quiet=True))
+            self.expect(picks == listed, "the picks that followed", f"the order list(p) gave: "
+                        f"{listed}", f"{picks}", CONTRACT7["iter_order"], _where7("__iter__"))
+            self.check_observables()
+
+    return Machine
+
+
+@guarded_check(60, reference, WHERE)
+def check_properties(cls, hidden) -> None:
+    """Hidden: the policy contract and P1 as properties of random workloads drawn from the
+    instructor's secret (there is no one reference policy to compare with): arrivals of
+    any priority, ties, sessions and sizes, peeks between them, picks, removes (the head
+    too), busy periods of up to 300 admissions, drains. After every step: len, iter,
+    peek (waiting, stable, the highest priority, iter's head); each pick the peeked one;
+    iter in the order of the picks that follow; no request overtaken by more than
+    WAIT_BOUND later arrivals of its own priority."""
+    from .differential import run
+
+    run(_property_machine(), hidden, "lab7/properties", piece="your MyPolicy",
+        reference="the contract", where=WHERE, bind={"submission": cls}, examples=80, steps=24,
+        lead="breaks the policy contract")

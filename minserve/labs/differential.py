@@ -228,8 +228,9 @@ class Trial:
     """One check's run: who is compared, and every failure seen so far."""
 
     piece: str  # "your FCFSLab"
-    reference: str  # "the engine's FCFSPolicy"
+    reference: str  # "the engine's FCFSPolicy" (or, without a reference: "the contract")
     where: str
+    lead: str = "does not do what {reference} does"
     call_seconds: float = 2.0  # per call into the submission; 0.2 s once one hung
     failures: list[Divergence] = field(default_factory=list)
     sequences: int = 0
@@ -272,13 +273,16 @@ class Differential:
 
     # --- what operations call
     @staticmethod
-    def read(fn: Callable[[], Any]) -> Any:
-        """An observable of the submission's state, or what reading it raised."""
+    def read(fn: Callable[[], Any], limit: float | None = 2.0) -> Any:
+        """An observable of the submission's state, or what reading it raised (limit None:
+        no time limit of its own, inside an operation that has one)."""
         try:
-            with call_limit(2.0):
+            if limit is None:
+                return fn()
+            with call_limit(limit):
                 return fn()
         except Hang:
-            return f"raised nothing: reading it did not finish within the time limit"
+            return "raised nothing: reading it did not finish within the time limit"
         except Exception as e:  # noqa: BLE001 - what reading it raised is the observable
             return f"raised {type(e).__name__}"
 
@@ -317,6 +321,12 @@ class Differential:
                 self.diverge(f"after step {len(self.steps)}, {what}", _show(ref), _show(sub),
                              said, where or obs_where)
 
+    def expect(self, ok: bool, what: str, want: str, got: str, sentence: str, where: str) -> None:
+        """A property of the submission alone (no reference to compare with): `want`
+        describes what the contract asks, `got` what it did."""
+        if not ok:
+            self.diverge(f"after step {len(self.steps)}, {what}", want, got, sentence, where)
+
     def diverge(self, what: str, ref: str, sub: str, sentence: str, where: str):
         d = Divergence(self.steps, what, ref, sub, sentence, where)
         self.trial.failures.append(d)
@@ -330,11 +340,13 @@ def _show(value: Any, limit: int = 400) -> str:
 
 def message(trial: Trial, d: Divergence) -> str:
     steps = "\n".join(f"    {i}. {s}" for i, s in enumerate(d.steps, 1))
-    return (f"{trial.piece} does not do what {trial.reference} does on this sequence of calls "
-            f"(the shortest found among {trial.sequences} random sequences drawn from the "
-            f"instructor's secret):\n{steps}\n"
+    lead = trial.lead.format(reference=trial.reference)
+    first = "the reference:" if trial.lead == Trial.lead else "the contract: "
+    return (f"{trial.piece} {lead} on this sequence of calls (the shortest found among "
+            f"{trial.sequences} random sequences drawn from the instructor's secret):\n"
+            f"{steps}\n"
             f"  {d.what}:\n"
-            f"    the reference: {d.ref}\n"
+            f"    {first} {d.ref}\n"
             f"    yours:         {d.sub}\n"
             f"  The contract: {d.sentence}")
 
@@ -355,7 +367,7 @@ def shrink_budget(seconds: float) -> Iterator[None]:
 
 def run(machine: type[Differential], hidden: Hidden, label: str, *, piece: str,
         reference: str, where: str, examples: int = 200, steps: int = 40,
-        shrink_s: float = 6.0, bind: dict | None = None) -> None:
+        shrink_s: float = 6.0, bind: dict | None = None, lead: str | None = None) -> None:
     """Run `machine` on `hidden.examples(examples)` random sequences of up to `steps`
     operations, drawn from the seed for `label`; `bind` sets class attributes of the
     machine (the submission's class or functions). Raises LabCheckFailed with the
@@ -369,7 +381,7 @@ def run(machine: type[Differential], hidden: Hidden, label: str, *, piece: str,
         if hidden.memo[key] is not None:
             raise LabCheckFailed(hidden.memo[key])
         return
-    trial = Trial(piece, reference, where)
+    trial = Trial(piece, reference, where, **({"lead": lead} if lead else {}))
     # functions as staticmethods: a class attribute that is a function would bind `self`
     bound = type(machine.__name__, (machine,), {k: v if isinstance(v, type) else staticmethod(v)
                                                 for k, v in (bind or {}).items()})
