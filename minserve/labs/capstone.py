@@ -15,6 +15,7 @@ from ..bench.workload import Workload, make_workload
 from ..fair import FairPolicy
 from ..policies import FCFSPolicy, Policy
 from ..sampling import SamplingParams
+from .allowlist import Cell
 from .common import admission_order, drain, fail, make_req, secret_rng, student, tiny_engine
 from .fcfs import use_policy
 from .guard import guarded_check
@@ -292,11 +293,6 @@ def fcfs_order(load: Workload, max_batch_size: int = 4) -> list[int]:
     return sorted(range(len(load.requests)), key=lambda i: (0, i))
 
 
-def hidden_seed(secret: str | int, label: str) -> int:
-    """A seed for the autograder's unseen workload or arrivals: the instructor's secret."""
-    return secret_rng(secret, f"lab7/{label}").randrange(1, 1 << 30)
-
-
 @guarded_check(120, reference, WHERE)
 def compare(cls, seed: int = 0, sessions: str = "alice=3,bob=1,carol=1",
             n: int = 32) -> list[RunResult]:
@@ -571,3 +567,20 @@ def check_properties(cls, hidden) -> None:
     run(_property_machine(), hidden, "lab7/properties", piece="your MyPolicy",
         reference="the contract", where=WHERE, bind={"submission": cls}, examples=80, steps=24,
         lead="breaks the policy contract")
+
+
+def _provided() -> dict:
+    from ..request import Request
+
+    return {"Policy": Policy, "Request": Request}
+
+
+# what the graded cell defines and may use (allowlist.py; grading runs it alone)
+CELL = Cell(names=("MyPolicy",), provided=_provided,
+            imports={"minserve.policies": frozenset({"Policy"}),
+                     "minserve.request": frozenset({"Request"})})
+
+
+def hidden_seed(hidden, label: str) -> int:
+    """A seed for the autograder's unseen workload: from the instructor's secret."""
+    return secret_rng(hidden.seed, f"lab7/{label}").randrange(1, 1 << 30)

@@ -12,6 +12,7 @@ from ..engine import Engine
 from ..request import Request
 from ..sampling import SamplingParams
 from ..scheduler import Scheduler
+from .allowlist import Cell
 from .common import drain, fail, make_req, secret_rng, show, stock_tokens, student, tiny_engine
 from .guard import guarded_check
 
@@ -149,15 +150,6 @@ def check_measure(next_chunk, measure, chunks=(0, 16, 32),
                  "counts), to the one whose chunk has its first_token", f"measure; {WHERE}")
         rows.append({"chunk_size": chunk or "monolithic", **got})
     return rows
-
-
-def hidden_runs(secret: str | int, n_chunks: int = 2) -> dict:
-    """The arguments of the autograder's held-in-pending measurement, drawn from the
-    instructor's secret: `n_chunks` chunk sizes (one may be monolithic), the prompt's
-    length and how long it waits for a row."""
-    rng = secret_rng(secret, "lab6/held")
-    chunks = tuple(rng.sample([0, 8, 12, 16, 24, 40], 2))[:n_chunks]
-    return {"chunks": chunks, "long_len": rng.randint(40, 90), "held": rng.randint(2, 5)}
 
 
 # ------------------------------------------------------------------ hidden: against the engine
@@ -334,3 +326,40 @@ def check_against_the_engine(next_chunk, measure, hidden) -> None:
     run(_measure_machine(), hidden, "lab6/measure", piece="your measure",
         reference="the engine's own account of the run", where=WHERE,
         bind={"measure": measure}, examples=12, steps=14, shrink_s=4.0)
+
+
+# what the graded cell defines and may use (allowlist.py; grading runs it alone)
+CELL = Cell(names=("next_chunk", "measure"), provided=lambda: {"Request": Request},
+            imports={"minserve.request": frozenset({"Request"})})
+
+
+def hidden_runs(hidden, n_chunks: int = 2) -> dict:
+    """The arguments of the autograder's held-in-pending measurement, drawn from the
+    instructor's secret: `n_chunks` chunk sizes (one may be monolithic), the prompt's
+    length and how long it waits for a row."""
+    rng = secret_rng(hidden.seed, "lab6/held")
+    chunks = tuple(rng.sample([0, 8, 12, 16, 24, 40], 2))[:n_chunks]
+    return {"chunks": chunks, "long_len": rng.randint(40, 90), "held": rng.randint(2, 5)}
+
+
+def hidden_engine_run(hidden) -> dict:
+    """check_in_engine's arguments drawn from the secret: a chunk size and a prompt length."""
+    rng = secret_rng(hidden.seed, "lab6/engine")
+    return {"chunk": rng.choice([8, 12, 16, 24]), "long_len": rng.randint(40, 100)}
+
+
+def engine_answers(trace, request_id: str) -> dict:
+    """measure's right answer for one request of a run, read off the engine's records
+    (check_measure's `answers` for the hidden runs, whose numbers are drawn from the
+    secret): the most prompt tokens in one tick; the ticks from the request's first
+    appearance in a record to the tick of its first token, both counted."""
+    def seen(rec):
+        q = rec.queues
+        return (request_id in q["pending"] + q["prefilling"] + q["active"]
+                or any(a["request_id"] == request_id for a in rec.admit.admitted))
+
+    arrival = next(rec.tick for rec in trace if seen(rec))
+    first = next(rec.tick for rec in trace for c in rec.prefill.chunks
+                 if c["request_id"] == request_id and c["first_token"] is not None)
+    worst = max(sum(c["end"] - c["start"] for c in rec.prefill.chunks) for rec in trace)
+    return {"max_prompt_tokens_per_tick": worst, "ttft_ticks": first - arrival + 1}

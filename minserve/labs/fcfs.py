@@ -13,6 +13,7 @@ import random
 from ..engine import Engine
 from ..policies import FCFSPolicy, Policy
 from ..sampling import SamplingParams
+from .allowlist import Cell
 from .common import (
     admission_order,
     drain,
@@ -291,3 +292,25 @@ def check_against_the_engine(cls, hidden) -> None:
     run(_machine(), hidden, "lab1/fcfs", piece="your FCFSLab",
         reference="the engine's FCFSPolicy", where=WHERE, bind={"submission": cls},
         examples=120, steps=30)
+
+
+def _provided() -> dict:
+    from ..request import Request
+
+    return {"Policy": Policy, "Request": Request}
+
+
+# what the graded cell defines and may use (allowlist.py; grading runs it alone)
+CELL = Cell(names=("FCFSLab",), provided=_provided,
+            imports={"minserve.policies": frozenset({"Policy"}),
+                     "minserve.request": frozenset({"Request"})})
+
+
+def hidden_plan(hidden, n: int = 7) -> list:
+    """An engine plan (prompt, max_tokens, priority) drawn from the instructor's secret:
+    priorities of both signs, ties and gaps, for check_in_engine's hidden run."""
+    from .common import secret_rng
+
+    rng = secret_rng(hidden.seed, "lab1/plan")
+    return [(list(range(5 * i + 1, 5 * i + rng.randint(3, 9))), rng.randint(1, 4),
+             rng.choice([-3, -1, 0, 0, 1, 2, 5])) for i in range(n)]

@@ -10,6 +10,7 @@ from .. import gates as core_gates
 from ..engine import Engine
 from ..request import Rejection
 from ..sampling import SamplingParams
+from .allowlist import Cell
 from .common import drain, fail, secret_rng, show, student, tiny_engine
 from .guard import guarded_check
 
@@ -91,27 +92,6 @@ def check_g3(fn) -> None:
     _verdict(fn, name, {"blocks_needed": 2, "free_blocks": 2, "prompt_blocks": 3, "num_blocks": 6}, None)
 
 
-@guarded_check(20, reference, WHERE)
-def check_boundaries(g1, g2, g3) -> None:
-    """Exactly full is not over: a request that needs the whole budget fits an empty engine
-    (need == budget), one that fills the reservation to the last token is admitted
-    (reserved + need == budget), and a prompt of exactly the pool's blocks fits an empty
-    pool (prompt_blocks == num_blocks). `>=` where the gate table says `>` refuses or
-    holds requests that fit."""
-    _verdict(g1, "check_queue_capacity", {"pending": 4, "max_queue_size": 5}, None)
-    name = "check_kv_budget"
-    _verdict(g2, name, {"need": 40, "reserved": 0, "budget": 40}, None)
-    _verdict(g2, name, {"need": 40, "reserved": 1, "budget": 40}, ("G2", "kv_budget", False))
-    _verdict(g2, name, {"need": 15, "reserved": 25, "budget": 40}, None)
-    _verdict(g2, name, {"need": 16, "reserved": 25, "budget": 40}, ("G2", "kv_budget", False))
-    name = "check_block_pool"
-    _verdict(g3, name, {"blocks_needed": 6, "free_blocks": 6, "prompt_blocks": 6, "num_blocks": 6}, None)
-    _verdict(g3, name, {"blocks_needed": 6, "free_blocks": 5, "prompt_blocks": 6, "num_blocks": 6},
-             ("G3", "block_pool", False))
-    _verdict(g3, name, {"blocks_needed": 7, "free_blocks": 6, "prompt_blocks": 7, "num_blocks": 6},
-             ("G3", "prompt_exceeds_block_pool", True))
-
-
 @guarded_check(60, reference, WHERE)
 def gate_story(g1, g2, g3, budget: int = 40, sizes=((12, 8), (10, 6), (6, 4), (40, 10))) -> list[dict]:
     """docs/gates.md's G2 story in a real engine with the student's gates: requests of
@@ -180,48 +160,6 @@ def exact_fit_story(g1, g2, g3) -> None:
              f"the last token (reserved 20 + need 20 == 40) and must be admitted at once, but "
              f"it was held or refused: {held[0] if held else pair[1].output.rejection}",
              f"check_kv_budget; {WHERE}")
-
-
-@guarded_check(20, reference, WHERE)
-def check_g3_cached(g3, secret: str | int = 0) -> None:
-    """G3 as the scheduler really calls it: part of the prompt cached (blocks_needed <
-    prompt_blocks) and part of the pool in use (free_blocks < num_blocks). The hard
-    refusal looks at the prompt against the whole pool, the soft hold at what is still
-    needed against what is free; a check on another pair of numbers, or a hold only when
-    nothing is free, gets one of these wrong. The numbers are drawn from the instructor's
-    secret (each case keeps the relation that decides it, whatever the draw)."""
-    rng, name = secret_rng(secret, "lab2/g3"), "check_block_pool"
-    for _ in range(3):
-        n = rng.randint(8, 64)
-        # cached prefix, enough free for the rest but not for the whole prompt: passes
-        p = rng.randint(4, n)
-        need = rng.randint(1, p - 2)
-        free = rng.randint(need, min(p - 1, n - 1))
-        _verdict(g3, name, {"blocks_needed": need, "free_blocks": free, "prompt_blocks": p,
-                            "num_blocks": n}, None)
-        # some blocks free, but fewer than still needed: hold (soft)
-        free = rng.randint(1, n - 2)
-        need = rng.randint(free + 1, n - 1)
-        _verdict(g3, name, {"blocks_needed": need, "free_blocks": free,
-                            "prompt_blocks": rng.randint(need, n), "num_blocks": n},
-                 ("G3", "block_pool", False))
-        # a prompt bigger than the whole pool, mostly cached: refuse (hard) all the same
-        p = rng.randint(n + 1, 2 * n)
-        free = rng.randint(2, n - 1)
-        _verdict(g3, name, {"blocks_needed": rng.randint(1, free), "free_blocks": free,
-                            "prompt_blocks": p, "num_blocks": n},
-                 ("G3", "prompt_exceeds_block_pool", True))
-
-
-def check_units(g1, g2, g3, secret: str | int = 0) -> None:
-    """Every unit check of the three gates, public and hidden (the boundaries, G3 with a
-    cached prefix on a pool in use): what each hidden test runs first, so a test that
-    cannot see a bug in a gate gives no credit for it."""
-    check_g1(g1)
-    check_g2(g2)
-    check_g3(g3)
-    check_boundaries(g1, g2, g3)
-    check_g3_cached(g3, secret)
 
 
 # ------------------------------------------------------------------ hidden: against the engine
@@ -330,3 +268,30 @@ def check_against_the_engine(g1, g2, g3, hidden) -> None:
 
     run(_machine(), hidden, "lab2/gates", piece="your gates", reference="minserve's own gates",
         where=WHERE, bind={"g1": g1, "g2": g2, "g3": g3}, examples=60, steps=20)
+
+
+# what the graded cell defines and may use (allowlist.py; grading runs it alone)
+CELL = Cell(names=NAMES, provided=lambda: {"Rejection": Rejection},
+            imports={"minserve.request": frozenset({"Rejection"})})
+
+# similarity.py: three `if`s per gate are the same tokens whoever writes them (honest
+# answers measure up to 0.98 against minserve/gates.py): measured, never flagged
+SIMILARITY_THRESHOLD = None
+
+
+def hidden_story(hidden) -> dict:
+    """gate_story's arguments drawn from the instructor's secret: a budget and four
+    (prompt, max_tokens) that keep the story (the first two fit together, the third fits
+    after either finishes but not beside both, the fourth exceeds the whole budget)."""
+    rng = secret_rng(hidden.seed, "lab2/story")
+    budget = rng.randint(30, 90)
+    first = rng.randint(budget // 4, budget // 2 - 2)
+    second = rng.randint(budget // 4, budget - first - 2)
+    third = rng.randint(budget - first - second + 1, budget - max(first, second))
+    fourth = rng.randint(budget + 1, budget + 30)
+
+    def split(total):
+        out = rng.randint(1, max(1, total // 3))
+        return (total - out, out)
+
+    return {"budget": budget, "sizes": tuple(split(t) for t in (first, second, third, fourth))}

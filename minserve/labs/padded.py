@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from ..backends.padded import PaddedBackend
 from ..engine import Engine
 from ..sampling import SamplingParams
+from .allowlist import TORCH, TORCH_F, Cell
 from .common import drain, fail, show, stock_tokens, student, tiny_engine
 from .guard import guarded_check
 
@@ -240,7 +241,7 @@ class _Model:
         return type("Out", (), {"logits": torch.zeros(input_ids.shape[0], 1, 2)})()
 
 
-def reference_backend(trim: bool) -> PaddedBackend:
+def stand_in_backend(trim: bool) -> PaddedBackend:
     """The engine's own PaddedBackend with no model behind it: its promote, remove_row and
     decode_step_batched run on stand-in rows and a stand-in model, so its mask bookkeeping
     is the reference the lab's three functions are compared with."""
@@ -319,7 +320,7 @@ def _machine():
 
         def setup(self, arg) -> None:
             self.trim, _ = choose((False, True), arg)
-            self.ref = reference_backend(self.trim)
+            self.ref = stand_in_backend(self.trim)
             self.rows = 0
 
         def _req(self, rid):
@@ -401,3 +402,28 @@ def check_against_the_engine(splice_in, remove, next_positions, hidden) -> None:
         reference="the engine's PaddedBackend", where=WHERE,
         bind={"splice_in": splice_in, "remove": remove, "next_positions": next_positions},
         examples=80, steps=24)
+
+
+# what the graded cell defines and may use (allowlist.py; grading runs it alone)
+CELL = Cell(names=("splice_in", "remove", "next_positions"),
+            provided=lambda: {"torch": torch, "F": F},
+            modules={"torch": TORCH, "F": TORCH_F},
+            module_imports={"torch": ("torch", TORCH), "torch.nn.functional": ("F", TORCH_F)})
+
+
+def ENGINE_CODE():  # noqa: N802 - read by similarity.py beside the other labs' `reference`
+    """The engine's own code for this lab's three functions: PaddedBackend's splice-in,
+    removal and decode step (what a copy would copy)."""
+    return [(PaddedBackend, ("promote", "remove_row", "decode_step_batched"), "PaddedBackend")]
+
+
+def hidden_plan(hidden) -> list:
+    """A mixed workload drawn from the instructor's secret: the longest prompt leaves
+    first, shorter rows keep decoding and later ones splice in (mask wider than kv_length)."""
+    from .common import secret_rng
+
+    rng = secret_rng(hidden.seed, "lab4/plan")
+    long = (list(range(1, rng.randint(25, 45))), rng.randint(1, 2))
+    rows = [(list(range(50 + 7 * i, 50 + 7 * i + rng.randint(2, 12))), rng.randint(4, 12))
+            for i in range(rng.randint(3, 5))]
+    return [long] + rows

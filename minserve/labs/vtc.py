@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 from ..fair import FairPolicy
 from ..sampling import SamplingParams
-from .common import admission_order, drain, fail, make_req, secret_rng, student, tiny_engine
+from .allowlist import Cell
+from .common import admission_order, drain, fail, make_req, student, tiny_engine
 from .fcfs import use_policy
 from .guard import guarded_check
 
@@ -91,143 +92,6 @@ def check_empty_queue_lift(cls) -> None:
         fail(f"dave arrived on an empty queue; his counter is {p.counters.get('dave')!r}, "
              "expected 20, alice's counter *now* (she left the queue last: self.last_left); "
              "at 0 he would get a catch-up burst over alice", f"VTCLab.on_request_arrived; {WHERE}")
-
-
-@guarded_check(20, reference, WHERE)
-def check_priority_first(cls) -> None:
-    """The key's first component is the priority tier: a higher-priority request goes first
-    even from the most-served session (P2: VTC orders *within* a tier)."""
-    p = student(cls, 1.0, 2.0, name="VTCLab(w_in, w_out)", where=WHERE)
-    low = make_req(0, "bob", priority=0)
-    high = make_req(1, "alice", priority=1)
-    student(p.on_request_arrived, low, name="on_request_arrived", where=WHERE)
-    student(p.on_request_arrived, high, name="on_request_arrived", where=WHERE)
-    p.counters["alice"] = 500.0  # alice was served a lot; bob nothing
-    head = student(p.peek_next, name="VTCLab.key (via peek_next)", where=WHERE)
-    if head is not high:
-        fail(f"bob (priority 0, counter {p.counters.get('bob')}) and alice (priority 1, counter "
-             f"500) wait; peek_next returned {getattr(head, 'request_id', head)!r}: the key is "
-             "(-priority, counter, arrival_seq), priority before the counter",
-             f"VTCLab.key; {WHERE}")
-
-
-@guarded_check(20, reference, WHERE)
-def check_no_lift_while_waiting(cls) -> None:
-    """The lift is for a session with *nothing* waiting. A session that still has requests
-    waiting keeps its counter when another one arrives, even if others are ahead of it."""
-    p = student(cls, 1.0, 2.0, name="VTCLab(w_in, w_out)", where=WHERE)
-    for r in (make_req(0, "alice"), make_req(1, "bob")):
-        student(p.on_request_arrived, r, name="on_request_arrived", where=WHERE)
-    p.counters["bob"] = 30.0  # bob was charged meanwhile; alice (0) still waits
-    student(p.on_request_arrived, make_req(2, "alice"), name="on_request_arrived", where=WHERE)
-    if p.counters.get("alice") != 0.0:
-        fail(f"alice had a request waiting (counter 0) and sent another while bob (counter 30) "
-             f"waits; her counter became {p.counters.get('alice')!r}, expected 0: lift only a "
-             "session with nothing waiting (P4), or she loses the turns she is owed",
-             f"VTCLab.on_request_arrived; {WHERE}")
-
-
-def _arrive(p, req) -> None:
-    student(p.on_request_arrived, req, name="on_request_arrived", where=WHERE)
-
-
-@guarded_check(20, reference, WHERE)
-def check_several_sessions(cls, secret: str | int = 0) -> None:
-    """The lift and the tie-break with several sessions in play (the public checks use one
-    or two): a newcomer is lifted to the least counter among the sessions *waiting* now,
-    not among every session ever seen; on an empty queue, to the counter of the session
-    that left it last, as it is now (not the least, the largest or the last to arrive);
-    equal counters go in arrival order, whatever the sessions' names. Counters and names
-    are drawn from the instructor's secret."""
-    rng = secret_rng(secret, "lab3/sessions")
-    names = rng.sample(["amy", "bo", "cy", "dan", "eve", "fox", "gus", "hal", "ivy", "jo"], 6)
-    seq = iter(range(rng.randint(0, 50), 10_000))
-    where = f"VTCLab.on_request_arrived; {WHERE}"
-
-    # 1. the least *waiting* counter: `gone` was served and left, its counter is the lowest
-    p = student(cls, 1.0, 2.0, name="VTCLab(w_in, w_out)", where=WHERE)
-    gone, waiting, newcomer = names[0], names[1:4], names[4]
-    first = make_req(next(seq), gone, prompt=rng.randint(2, 9), out=2)
-    _arrive(p, first)
-    student(p.pick_next, name="VTCLab.key (via pick_next)", where=WHERE)
-    student(p.on_tokens_processed, first, first.prompt_len, 0, name="on_tokens_processed",
-            where=WHERE)
-    low = p.counters.get(gone, 0.0)
-    for s in waiting:
-        _arrive(p, make_req(next(seq), s))
-    values = rng.sample(range(int(low) + 10, int(low) + 200), len(waiting))
-    for s, v in zip(waiting, values):
-        p.counters[s] = float(v)
-    _arrive(p, make_req(next(seq), newcomer))
-    want = float(min(values))
-    if p.counters.get(newcomer) != want:
-        fail(f"{newcomer} arrived while {', '.join(f'{s} (counter {v})' for s, v in zip(waiting, values))} "
-             f"wait and {gone} (counter {low:g}) was served and waits no more; {newcomer}'s "
-             f"counter is {p.counters.get(newcomer)!r}, expected {want:g}: lift a newcomer to "
-             "the least counter among the sessions with requests waiting *now*, not among "
-             "every session seen", where)
-
-    # 2. the empty queue: the session that left it last, its counter now
-    p = student(cls, 1.0, 2.0, name="VTCLab(w_in, w_out)", where=WHERE)
-    three = names[:3]
-    arrived = rng.sample(three, 3)  # the last to arrive is not the last to leave
-    if arrived[-1] == three[-1]:
-        arrived = arrived[-1:] + arrived[:-1]
-    reqs = {s: make_req(next(seq), s) for s in arrived}
-    for s in arrived:
-        _arrive(p, reqs[s])
-    base = sorted(rng.sample(range(5, 100), 3))  # the order they will leave in
-    for s, v in zip(three, base):
-        p.counters[s] = float(v)
-    for _ in three:
-        student(p.pick_next, name="VTCLab.key (via pick_next)", where=WHERE)
-    last = three[-1]
-    # charged after leaving the queue: the first to leave is charged most, the last a bit
-    p.on_tokens_processed(reqs[three[0]], rng.randint(150, 250), 0)
-    p.on_tokens_processed(reqs[last], rng.randint(1, 20), 0)
-    newcomer = names[5]
-    _arrive(p, make_req(next(seq), newcomer))
-    want = p.counters[last]
-    if p.counters.get(newcomer) != want:
-        counters = {s: p.counters[s] for s in three}
-        fail(f"{', '.join(arrived)} arrived in that order, left the queue in the order "
-             f"{', '.join(three)}, and were charged; counters now {counters}. {newcomer} arrived "
-             f"on the empty queue: counter {p.counters.get(newcomer)!r}, expected {want:g}, the "
-             f"counter *now* of {last}, who left the queue last (not the least, the largest, "
-             "or the last to arrive)", where)
-
-    # 3. equal counters: arrival order, whatever the names
-    p = student(cls, 1.0, 2.0, name="VTCLab(w_in, w_out)", where=WHERE)
-    tied = sorted(names, reverse=True)[:4]  # names against the alphabet
-    reqs = [make_req(next(seq), s) for s in tied]
-    for r in reqs:
-        _arrive(p, r)
-    for s in tied:
-        p.counters[s] = 42.0
-    got = [student(p.pick_next, name="VTCLab.key (via pick_next)", where=WHERE).request_id
-           for _ in reqs]
-    if got != [r.request_id for r in reqs]:
-        fail(f"four sessions with equal counters (42) wait, arrived as "
-             f"{[r.request_id for r in reqs]}; pick_next gave {got}: between equal counters "
-             "the earlier arrival goes first (the key's last element: arrival_seq)",
-             f"VTCLab.key; {WHERE}")
-
-
-def hidden_seeds(secret: str | int, n: int = 60) -> list[int]:
-    """Seeds of the random traces the autograder checks the 2U bound on: the instructor's."""
-    return secret_rng(secret, "lab3/traces").sample(range(10_000, 10_000_000), n)
-
-
-def check_units(cls, secret: str | int = 0) -> None:
-    """Every unit check of the hooks, public and hidden (several sessions, inputs from the
-    instructor's secret): what each hidden test runs first, so a test that cannot see a
-    bug in a hook gives no credit for it."""
-    check_charge(cls)
-    check_lift(cls)
-    check_empty_queue_lift(cls)
-    check_priority_first(cls)
-    check_no_lift_while_waiting(cls)
-    check_several_sessions(cls, secret)
 
 
 @dataclass
@@ -610,3 +474,23 @@ def check_against_the_engine(cls, hidden) -> None:
     run(_machine(), hidden, "lab3/vtc", piece="your VTCLab",
         reference="the engine's VTC (FairPolicy, one clock)", where=WHERE,
         bind={"submission": cls}, examples=120, steps=30)
+
+
+def _provided() -> dict:
+    from ..policies import Policy
+    from ..request import Request
+
+    return {"Policy": Policy, "Request": Request}
+
+
+# what the graded cell defines and may use (allowlist.py; grading runs it alone)
+CELL = Cell(names=("VTCLab",), provided=_provided,
+            imports={"minserve.policies": frozenset({"Policy"}),
+                     "minserve.request": frozenset({"Request"})})
+
+
+def hidden_seeds(hidden, n: int = 40) -> list[int]:
+    """Seeds of the random traces the autograder checks the 2U bound on: from the secret."""
+    from .common import secret_rng
+
+    return secret_rng(hidden.seed, "lab3/traces").sample(range(10_000, 10_000_000), n)
