@@ -23,6 +23,9 @@ from .guard import guarded_check
 WHERE = ("docs/policies.md (the hook table: the contract every policy honours) and "
          "docs/benchmarks.md (what `minserve bench` measures)")
 
+# the lab states it: the most later requests of a request's own session and priority that
+# may be admitted ahead of it, and the admissions a long request may wait (no starvation)
+WAIT_BOUND = 40
 
 def reference():
     """What a submission may not lean on: the engine's own policies (it may compare with
@@ -209,27 +212,39 @@ def _late_high_priority(cls, rng: random.Random, rounds: int = 40) -> None:
 
 
 @guarded_check(30, reference, WHERE)
-def check_no_starvation(cls, bound: int = 40) -> None:
-    """A long request waits while short ones keep arriving (one new arrival per admission):
-    it must still be admitted within `bound` admissions. Shortest-job-first without aging
-    never admits it."""
+def check_no_starvation(cls, bound: int = WAIT_BOUND, hidden=None) -> None:
+    """A long request waits while short ones of another session keep arriving (one new
+    arrival per admission; the long request's session sends nothing else): it must still be
+    admitted within `bound` admissions. Shortest-job-first without aging never admits it.
+    With `hidden`, the sizes, the sessions and the backlog are drawn from the instructor's
+    secret; without, the public case (40 + 24 tokens against 3 + 3)."""
+    rng = secret_rng(hidden.seed, "lab7/starvation") if hidden is not None else None
+    size = (rng.randint(24, 40), rng.randint(12, 24)) if rng else (40, 24)
+    short = (rng.randint(1, 6), rng.randint(1, 4)) if rng else (3, 3)
+    slow, quick = rng.sample(["ida", "jon", "kim", "lev", "max"], 2) if rng else ("slow", "quick")
+    backlog = rng.randint(2, 6) if rng else 4
     p = student(cls, name="MyPolicy()", where=WHERE)
-    long = make_req(0, "slow", prompt=40, out=24)
+    long = make_req(0, slow, prompt=size[0], out=size[1])
     seq = iter(range(1, 10_000))
-    for r in [long] + [make_req(next(seq), "quick", prompt=3, out=3) for _ in range(4)]:
+
+    def short_one():
+        return make_req(next(seq), quick, prompt=short[0], out=short[1])
+
+    for r in [long] + [short_one() for _ in range(backlog)]:
         student(p.on_request_arrived, r, name="on_request_arrived", where=WHERE)
     for _ in range(bound):
+        student(p.peek_next, name="peek_next", where=WHERE)
         picked = student(p.pick_next, name="pick_next", where=WHERE)
         if picked is long:
             return
         student(p.on_tokens_processed, picked, picked.prompt_len, picked.max_tokens,
                 name="on_tokens_processed", where=WHERE)
         student(p.on_request_finished, picked, name="on_request_finished", where=WHERE)
-        student(p.on_request_arrived, make_req(next(seq), "quick", prompt=3, out=3),
-                name="on_request_arrived", where=WHERE)
-    fail(f"a 40 + 24-token request waited through {bound} admissions of 3 + 3-token requests "
-         "that kept arriving after it, and was never admitted: it starves. Bound its wait "
-         "(aging: let the key improve with the time spent waiting)", f"MyPolicy.key; {WHERE}")
+        student(p.on_request_arrived, short_one(), name="on_request_arrived", where=WHERE)
+    fail(f"a {size[0]} + {size[1]}-token request of session {slow} waited through {bound} "
+         f"admissions of {short[0]} + {short[1]}-token requests of session {quick} that kept "
+         "arriving after it, and was never admitted: it starves. Bound its wait (aging: let "
+         "the key improve with the time spent waiting)", f"MyPolicy.key; {WHERE}")
 
 
 def serve_step_mode(cls, load: Workload, max_batch_size: int = 4) -> list[str]:
@@ -325,7 +340,6 @@ def table(runs: list[RunResult]) -> str:
 
 
 # ------------------------------------------------------------------ hidden: properties
-WAIT_BOUND = 40  # the lab states it: overtakes by later arrivals of the same priority
 CAPSTONE_PRIORITIES = (0, 0, 0, 0, 1, 1, 2, -1, -2, 3, 7)
 CAPSTONE_SESSIONS = ("ann", "ben", "cat", "dov")
 CONTRACT7 = {
@@ -346,8 +360,8 @@ CONTRACT7 = {
     "iter_order": "iter(policy) lists the waiting requests in the order pick_next() would "
                   "take them if nothing else happened (no arrival, no other hook).",
     "wait": f"bounded wait: no request waits while more than {WAIT_BOUND} requests of its "
-            "own priority that arrived after it are admitted ahead of it (a long request "
-            "in a busy session included).",
+            "own session and priority that arrived after it are admitted ahead of it (a long "
+            "request in a busy session included).",
 }
 
 
@@ -362,7 +376,7 @@ def _property_machine():
 
     class Machine(Differential):
         submission: type
-        OPS = ((5, "arrive"), (2, "peek"), (4, "pick"), (1, "remove"), (1, "busy"),
+        OPS = ((5, "arrive"), (2, "peek"), (4, "pick"), (2, "remove"), (2, "busy"),
                (1, "drain"))
 
         def setup(self, arg) -> None:
@@ -461,18 +475,19 @@ def _property_machine():
             self.expect(got == head and got in self.waiting, "p.pick_next()",
                         f"{head}, what peek_next() returned", str(got), CONTRACT7["pick"],
                         _where7("pick_next"))
-            # whoever was overtaken by this later arrival of their own priority
-            prio, seq = self.reqs.sub[got].priority, self.reqs.sub[got].arrival_seq
+            # whoever was overtaken by this later request of their own session and priority
+            picked = self.reqs.sub[got]
             self.waiting.remove(got)
             for r in self.waiting:
                 req = self.reqs.sub[r]
-                if req.priority == prio and req.arrival_seq < seq:
+                if (req.priority, req.session_id) == (picked.priority, picked.session_id) \
+                        and req.arrival_seq < picked.arrival_seq:
                     self.overtaken[r] += 1
                     self.expect(self.overtaken[r] <= WAIT_BOUND, f"{r} still waits",
-                                f"admitted before {WAIT_BOUND + 1} later arrivals of priority "
-                                f"{prio} are", f"{self.overtaken[r]} later arrivals of "
-                                f"priority {prio} admitted ahead of it ({self._describe(r)})",
-                                CONTRACT7["wait"], _where7("key"))
+                                f"admitted before {WAIT_BOUND + 1} later requests of session "
+                                f"{req.session_id}, priority {req.priority} are",
+                                f"{self.overtaken[r]} of them admitted ahead of it "
+                                f"({self._describe(r)})", CONTRACT7["wait"], _where7("key"))
             sub = self.reqs.sub[got]
             self.read(lambda: self.sub.on_tokens_processed(sub, sub.prompt_len, 0), limit)
             self.read(lambda: self.sub.on_tokens_processed(sub, 0, sub.max_tokens), limit)
@@ -502,14 +517,16 @@ def _property_machine():
             admission. Each round checks the tiers (and each admission the wait bound);
             the whole contract is checked at the end."""
             k, arg = choose((10, 45, 120, 300, 600), arg)
-            mode, arg = choose(("tie", "above", "any"), arg)
-            waiting = [self.reqs.sub[r].priority for r in self.waiting]
+            mode, arg = choose(("its own", "tie", "above", "any"), arg)
+            waiting = [self.reqs.sub[r] for r in self.waiting]
             priority, arg = choose(CAPSTONE_PRIORITIES, arg)
-            if waiting and mode == "tie":
-                priority, arg = choose(waiting, arg)
-            elif waiting and mode == "above":  # everyone waiting is below: tiers are tested
-                priority = max(waiting) + 1
             session, arg = choose(CAPSTONE_SESSIONS, arg)
+            if waiting and mode in ("its own", "tie"):  # a waiting request's tier (and session)
+                w, arg = choose(waiting, arg)
+                priority = w.priority
+                session = w.session_id if mode == "its own" else session
+            elif waiting and mode == "above":  # everyone waiting is below: tiers are tested
+                priority = max(w.priority for w in waiting) + 1
             size, _ = choose(((3, 3), (6, 2), (2, 1)), arg)
             self.steps.append(f"{k} rounds of: a {size[0]} + {size[1]}-token request of "
                               f"session {session}, priority {priority} arrives; then "

@@ -6,8 +6,6 @@ in ticks (TTFT)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from ..engine import Engine
 from ..request import Request
 from ..sampling import SamplingParams
@@ -83,11 +81,13 @@ def run(next_chunk, chunk: int, long_len: int = 96, short=3, max_tokens: int = 8
     engine = use_chunk_schedule(tiny_engine(max_batch_size=short + (not held),
                                             prefill_chunk_size=chunk,
                                             enable_prefix_caching=False), next_chunk)
-    shorts = [engine.submit([5 + i, 6, 7], SamplingParams(
+    engine.account = Account(engine)  # the engine's own account of the run (Account)
+    shorts = [engine.account.submit([5 + i, 6, 7], SamplingParams(
                   max_tokens=held + 1 if held and i == 0 else 2 * max_tokens + held))
               for i in range(short)]
     drain(engine, WHERE, ticks=1)
-    long = engine.submit(list(range(1, long_len + 1)), SamplingParams(max_tokens=max_tokens))
+    long = engine.account.submit(list(range(1, long_len + 1)),
+                                 SamplingParams(max_tokens=max_tokens))
     drain(engine, WHERE)
     return engine, shorts + [long]
 
@@ -123,12 +123,12 @@ PUBLIC_ANSWERS = {0: {"max_prompt_tokens_per_tick": 96, "ttft_ticks": 1},
 
 @guarded_check(60, reference, WHERE)
 def check_measure(next_chunk, measure, chunks=(0, 16, 32),
-                  answers: dict | Callable | None = None, long_len: int = 96,
+                  answers: dict | str | None = None, long_len: int = 96,
                   held: int = 0) -> list[dict]:
     """The student's measurement equals the right answer on runs with several chunk sizes:
-    `answers` maps a chunk size to it, or is a function of (trace, request id) (the
-    autograder's hidden test brings one); by default the public answers above (a chunk
-    size they lack is measured, not checked). With `held`, the measured request first
+    `answers` maps a chunk size to it, or is "engine" (the engine's own account of each
+    run, `Account`: what the hidden test compares with); by default the public answers
+    above (a chunk size they lack is measured, not checked). With `held`, the measured request first
     waits in `pending` (see `run`). Returns one row per chunk size."""
     answers = PUBLIC_ANSWERS if answers is None else answers
     check_schedule(next_chunk)
@@ -137,7 +137,7 @@ def check_measure(next_chunk, measure, chunks=(0, 16, 32),
         engine, handles = run(next_chunk, chunk, long_len=long_len, held=held)
         long_id = handles[-1].request_id
         got = student(measure, engine.trace, long_id, name="measure", where=WHERE)
-        want = answers(engine.trace, long_id) if callable(answers) else answers.get(chunk)
+        want = engine.account.answer(long_id) if answers == "engine" else answers.get(chunk)
         if want is not None and (not isinstance(got, dict) or dict(got) != want):
             waited = sum(long_id in rec.queues["pending"] for rec in engine.trace)
             story = (f"the {long_len}-token prompt arrived while every batch row was busy and "
@@ -204,24 +204,34 @@ def _schedule_machine():
 
 
 class Account:
-    """The engine's own account of a run, kept from its requests between ticks (not from
-    the records a `measure` reads): the tick each request was submitted before, the tick of
-    its first token, and the prompt tokens each tick computed (a cached prefix is not
-    computed)."""
+    """The engine's own account of a run, kept from its requests around each tick (not
+    from the records a `measure` reads): the tick each request was submitted before, the
+    tick of its first token, and the prompt tokens each tick computed (a cached prefix is
+    not computed). It watches `engine.step`; requests go in through `submit`."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine) -> None:
+        self.engine, self._step = engine, engine.step
+        engine.step = self.step
+        self.reqs: list = []
         self.arrived: dict[str, int] = {}
         self.first: dict[str, int] = {}
         self.worst = 0
 
-    def tick(self, engine, reqs: list) -> object:
-        before = {r.request_id: (r.status.value, r.num_computed_prompt_tokens) for r in reqs}
-        rec = engine.step()
+    def submit(self, prompt: list[int], sampling):
+        req = self.engine.make_request(prompt, sampling)
+        self.engine.scheduler.submit(req)
+        self.reqs.append(req)
+        self.arrived[req.request_id] = self.engine.scheduler.tick_count + 1
+        return req.handle
+
+    def step(self):
+        before = {r.request_id: (r.status.value, r.num_computed_prompt_tokens) for r in self.reqs}
+        rec = self._step()
         pushed = 0
-        for r in reqs:
+        for r in self.reqs:
             status, computed = before[r.request_id]
-            cached = r.num_cached_tokens if status == "pending" and r.status.value != "pending" else 0
-            pushed += r.num_computed_prompt_tokens - computed - cached
+            admitted = status == "pending" and r.status.value != "pending"
+            pushed += r.num_computed_prompt_tokens - computed - (r.num_cached_tokens if admitted else 0)
             if r.output_token_ids and r.request_id not in self.first:
                 self.first[r.request_id] = rec.tick
         self.worst = max(self.worst, pushed)
@@ -248,45 +258,43 @@ def _measure_machine():
 
     class Machine(Differential):
         measure: object
-        OPS = ((3, "submit"), (4, "tick"))
+        OPS = ((3, "submit"), (3, "tick"))
 
         def setup(self, arg) -> None:
             from ..sampling import SamplingParams
 
             self.SamplingParams = SamplingParams
-            batch, arg = choose((1, 1, 2, 3), arg)
+            batch, arg = choose((1, 1, 2, 3, 3), arg)
             chunk, arg = choose((0, 1, 3, 4, 8, 16), arg)
             cache, _ = choose((False, True), arg)
             self.engine = tiny_engine(max_batch_size=batch, prefill_chunk_size=chunk,
                                       enable_prefix_caching=cache, block_size=4)
-            self.engine.trace = []
-            self.reqs: list = []
-            self.account = Account()
+            self.account = Account(self.engine)
             self.steps.append(f"engine: max_batch_size={batch}, prefill_chunk_size={chunk}, "
                               f"prefix caching {'on' if cache else 'off'} (block_size 4)")
 
         def op_submit(self, arg):
-            n, arg = choose((1, 3, 4, 8, 9, 17, 24), arg)
-            shared, arg = choose((False, True), arg)
-            out, _ = choose((1, 2, 3), arg)
-            prompt = ([40 + t for t in range(n)] if shared
-                      else [1 + (len(self.reqs) * 7 + t) % 200 for t in range(n)])
-            req = self.engine.make_request(prompt, self.SamplingParams(max_tokens=out))
-            self.engine.scheduler.submit(req)
-            self.reqs.append(req)
-            self.account.arrived[req.request_id] = self.engine.scheduler.tick_count + 1
-            self.steps.append(f"submit {req.request_id}: a {n}-token prompt"
-                              f"{' (its first tokens shared with others)' if shared else ''}, "
-                              f"max_tokens {out}")
+            """One to three requests queued between two ticks (so some wait behind others)."""
+            burst, arg = choose((1, 1, 2, 3), arg)
+            for _ in range(burst):
+                n, arg = choose((1, 3, 4, 8, 9, 17, 24), arg)
+                shared, arg = choose((False, True), arg)
+                out, arg = choose((1, 2, 3, 5), arg)
+                prompt = ([40 + t for t in range(n)] if shared
+                          else [1 + (len(self.account.reqs) * 7 + t) % 200 for t in range(n)])
+                handle = self.account.submit(prompt, self.SamplingParams(max_tokens=out))
+                self.steps.append(f"submit {handle.request_id}: a {n}-token prompt"
+                                  f"{' (its first tokens shared with others)' if shared else ''}, "
+                                  f"max_tokens {out}")
 
         def op_tick(self, arg):
-            k, _ = choose((1, 1, 2, 4), arg)
+            k, _ = choose((1, 1, 2, 3), arg)
             for _ in range(k):
                 if not self.engine.scheduler.has_work():
                     break
-                self.engine.trace.append(self.account.tick(self.engine, self.reqs))
+                self.engine.step()
             self.steps.append(f"{k} tick(s): now tick {self.engine.scheduler.tick_count}")
-            for req in self.reqs:
+            for req in self.account.reqs:
                 rid = req.request_id
                 if rid not in self.account.first:
                     continue
@@ -325,7 +333,7 @@ def check_against_the_engine(next_chunk, measure, hidden) -> None:
         bind={"next_chunk": next_chunk}, examples=40, steps=10)
     run(_measure_machine(), hidden, "lab6/measure", piece="your measure",
         reference="the engine's own account of the run", where=WHERE,
-        bind={"measure": measure}, examples=12, steps=14, shrink_s=4.0)
+        bind={"measure": measure}, examples=20, steps=14, shrink_s=4.0)
 
 
 # what the graded cell defines and may use (allowlist.py; grading runs it alone)
@@ -346,20 +354,3 @@ def hidden_engine_run(hidden) -> dict:
     """check_in_engine's arguments drawn from the secret: a chunk size and a prompt length."""
     rng = secret_rng(hidden.seed, "lab6/engine")
     return {"chunk": rng.choice([8, 12, 16, 24]), "long_len": rng.randint(40, 100)}
-
-
-def engine_answers(trace, request_id: str) -> dict:
-    """measure's right answer for one request of a run, read off the engine's records
-    (check_measure's `answers` for the hidden runs, whose numbers are drawn from the
-    secret): the most prompt tokens in one tick; the ticks from the request's first
-    appearance in a record to the tick of its first token, both counted."""
-    def seen(rec):
-        q = rec.queues
-        return (request_id in q["pending"] + q["prefilling"] + q["active"]
-                or any(a["request_id"] == request_id for a in rec.admit.admitted))
-
-    arrival = next(rec.tick for rec in trace if seen(rec))
-    first = next(rec.tick for rec in trace for c in rec.prefill.chunks
-                 if c["request_id"] == request_id and c["first_token"] is not None)
-    worst = max(sum(c["end"] - c["start"] for c in rec.prefill.chunks) for rec in trace)
-    return {"max_prompt_tokens_per_tick": worst, "ttft_ticks": first - arrival + 1}

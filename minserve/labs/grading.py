@@ -93,14 +93,18 @@ def read_submission(path: Path, lab: str | None = None,
     lab = lab or nb.metadata.get("otter", {}).get("assignment_name")
     if lab not in LABS:
         raise ValueError(f"{path}: not a lab notebook (assignment {lab!r})")
+    cell = lab_module(lab).CELL
     answers = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
                and ANSWER_TAG in c.get("metadata", {}).get("tags", [])]
+    if not answers:  # a notebook without otter's tags (a solution, one rebuilt by hand):
+        answers = [i for i, c in enumerate(nb.cells)  # the cells that define the piece
+                   if c.cell_type == "code" and _defines(c.source, cell.names)]
     source = "\n\n".join(nb.cells[i].source for i in answers)
-    cell = lab_module(lab).CELL
     sub = Submission(lab, source, answers)
     if not answers:
-        sub.violations.append(Violation(0, f"no graded cell (a code cell tagged {ANSWER_TAG!r}, "
-                                           "as the lab shipped it): write your code in it"))
+        sub.violations.append(Violation(0, f"no graded cell (the code cell tagged {ANSWER_TAG!r} "
+                                           f"as the lab shipped it, or one defining "
+                                           f"{', '.join(cell.names)}): write your code there"))
     else:
         sub.violations += check_cell(source, cell)
     for i, c in enumerate(nb.cells):
@@ -110,6 +114,18 @@ def read_submission(path: Path, lab: str | None = None,
             continue
         sub.attempts += [f"cell {i}: {v}" for v in scan_other_cell(c.source)]
     return sub
+
+
+def _defines(source: str, names) -> bool:
+    """Whether a cell defines one of `names` at its top level."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False
+    return any(isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in names
+               for n in tree.body)
 
 
 # ------------------------------------------------------------------ the fresh process
