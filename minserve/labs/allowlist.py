@@ -396,8 +396,10 @@ def _top_level_names(tree: ast.Module) -> set[str]:
     return names
 
 
-def scan_other_cell(source: str) -> list[Violation]:
-    """What, in a cell grading does not run, can only be an attempt on the grader."""
+def scan_other_cell(source: str, lab_names: Iterable[str] = ()) -> list[Violation]:
+    """What, in a cell grading does not run, can only be an attempt on the grader.
+    `lab_names`: names other cells of the notebook imported from minserve (the checks'
+    modules: changing one of their attributes is an attempt too)."""
     try:
         tree = ast.parse(_no_magics(source))
     except SyntaxError:
@@ -419,10 +421,18 @@ def scan_other_cell(source: str) -> list[Violation]:
             targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
             for t in targets:
                 if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and \
-                        t.value.id in _lab_module_names(tree):
+                        t.value.id in _lab_module_names(tree) | set(lab_names):
                     found.append(Violation(node.lineno, f"changing `{t.value.id}.{t.attr}` (the "
                                                         "lab's checks)"))
     return found
+
+
+def minserve_names(source: str) -> set[str]:
+    """The names a cell imports from minserve (for scan_other_cell's other cells)."""
+    try:
+        return _lab_module_names(ast.parse(_no_magics(source)))
+    except SyntaxError:
+        return set()
 
 
 def _lab_module_names(tree: ast.AST) -> set[str]:

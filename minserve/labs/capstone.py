@@ -354,7 +354,7 @@ CONTRACT7 = {
              "the others have waited: peek_next() returns a request of the highest priority "
              "waiting.",
     "iter_head": "iter(policy) yields the waiting requests in admission order, the head "
-                 "(what peek_next() returns) first.",
+                 "(what peek_next() returns) first: when they disagree, one of them is stale.",
     "pick": "pick_next() removes and returns the request peek_next() just returned.",
     "remove": "remove(req) takes exactly that request out.",
     "iter_order": "iter(policy) lists the waiting requests in the order pick_next() would "
@@ -420,7 +420,8 @@ def _property_machine():
                 self.expect(prio == top, "p.peek_next()", f"a request of priority {top}",
                             f"{head} (priority {prio})", CONTRACT7["tiers"], _where7("key"))
                 self.expect(listed[0] == head, "list(p)[0]", f"{head}, what peek_next returns",
-                            f"{listed[:4]}...", CONTRACT7["iter_head"], _where7("__iter__"))
+                            f"{listed[:4]}...", CONTRACT7["iter_head"],
+                            _where7("peek_next / __iter__"))
             return []
 
         def _describe(self, rid) -> str:

@@ -29,6 +29,12 @@ PACKAGE = Path(__file__).resolve().parents[1]  # .../minserve: the engine's own 
 class LabCheckFailed(AssertionError):
     """A lab check failed. The message says what is wrong and where to look."""
 
+    def _render_traceback_(self) -> list[str]:
+        """What Jupyter shows for it (IPython's hook for exceptions that render themselves):
+        the message alone, not a wall of frames through the checks, when a cell that runs a
+        check (a demo cell after a failed one) raises it."""
+        return [f"LabCheckFailed: {self}"]
+
 
 def fail(what: str, where: str) -> NoReturn:
     raise LabCheckFailed(f"{what}\n    where to look: {where}")

@@ -66,6 +66,7 @@ class Hidden:
 
     seed: int
     scale: float = 1.0
+    shrink: bool = True  # False: report the first failing sequence as found (a detection count)
     memo: dict = field(default_factory=dict)
 
     def seed_for(self, label: str) -> int:
@@ -388,7 +389,8 @@ def run(machine: type[Differential], hidden: Hidden, label: str, *, piece: str,
 
     @seed(hidden.seed_for(label))
     @settings(max_examples=hidden.examples(examples), deadline=None, database=None,
-              phases=[Phase.generate, Phase.shrink], verbosity=Verbosity.quiet,
+              phases=[Phase.generate, Phase.shrink] if hidden.shrink else [Phase.generate],
+              verbosity=Verbosity.quiet,
               suppress_health_check=list(HealthCheck), print_blob=False)
     # at least half the steps: Hypothesis's lists are short on average (about 6 elements),
     # and most mistakes need a dozen operations to show; shrinking zeroes what is not needed
@@ -402,7 +404,7 @@ def run(machine: type[Differential], hidden: Hidden, label: str, *, piece: str,
 
     found = None
     try:
-        with shrink_budget(shrink_s):
+        with shrink_budget(shrink_s * max(0.5, min(1.0, hidden.scale))):
             sequence()
     except Divergence as d:
         found = d

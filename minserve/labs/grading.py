@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .allowlist import Violation, check_cell, safe_builtins, scan_other_cell
+from .allowlist import Violation, check_cell, minserve_names, safe_builtins, scan_other_cell
 
 LABS = {"lab1_fcfs": "fcfs", "lab2_gates": "gates", "lab3_vtc": "vtc", "lab4_padded": "padded",
         "lab5_blocks": "blocks", "lab6_chunked": "chunked", "lab7_capstone": "capstone"}
@@ -107,12 +107,13 @@ def read_submission(path: Path, lab: str | None = None,
                                            f"{', '.join(cell.names)}): write your code there"))
     else:
         sub.violations += check_cell(source, cell)
+    imported = set().union(*(minserve_names(c.source) for c in nb.cells if c.cell_type == "code"))
     for i, c in enumerate(nb.cells):
         if c.cell_type != "code" or i in answers:
             continue
         if shipped is not None and hashlib.sha256(c.source.encode()).hexdigest() in shipped:
             continue
-        sub.attempts += [f"cell {i}: {v}" for v in scan_other_cell(c.source)]
+        sub.attempts += [f"cell {i}: {v}" for v in scan_other_cell(c.source, imported)]
     return sub
 
 
@@ -130,16 +131,23 @@ def _defines(source: str, names) -> bool:
 
 # ------------------------------------------------------------------ the fresh process
 def warm(lab: str) -> None:
-    """Import what grading a lab needs (its checks, otter's test runner, Hypothesis,
-    the tiny model's code) in this process, so each forked grading process starts with it."""
+    """Import what grading a lab needs (its checks, otter's test runner, Hypothesis) and
+    build the tiny model in this process, so each forked grading process starts with them.
+    With one torch thread: no OpenMP thread pool exists yet, so a fork stays safe."""
     lab_module(lab)
-    for name in ("otter.test_files", "hypothesis", "hypothesis.stateful",
-                 "transformers.models.llama.modeling_llama", "minserve.labs.differential"):
+    for name in ("otter.test_files", "hypothesis", "minserve.labs.differential"):
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
+    import torch
+
+    from .common import tiny_model
+
+    torch.set_num_threads(1)
+    tiny_model()
 
 
-def _child(write_fd: int, source: str, lab: str, tests_dir: str, seed: int, scale: float) -> None:
+def _child(write_fd: int, source: str, lab: str, tests_dir: str, seed: int, scale: float,
+           shrink: bool) -> None:
     """The grading process: the checks and the tests first, then the graded cell alone,
     then every test; the results as JSON on write_fd. Never returns."""
     code = 0
@@ -152,7 +160,7 @@ def _child(write_fd: int, source: str, lab: str, tests_dir: str, seed: int, scal
 
             resource.setrlimit(resource.RLIMIT_CPU, (600, 600))
         os.chdir(tempfile.mkdtemp(prefix="lab-grading-"))
-        results = run_tests_on(source, lab, tests_dir, seed, scale)
+        results = run_tests_on(source, lab, tests_dir, seed, scale, shrink)
         payload = json.dumps(results).encode()
     except BaseException as e:  # noqa: BLE001 - the parent reports it
         payload = json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()
@@ -165,7 +173,8 @@ def _child(write_fd: int, source: str, lab: str, tests_dir: str, seed: int, scal
         os._exit(code)
 
 
-def run_tests_on(source: str, lab: str, tests_dir: str, seed: int, scale: float) -> list:
+def run_tests_on(source: str, lab: str, tests_dir: str, seed: int, scale: float,
+                 shrink: bool = True) -> list:
     """In the grading process: load the checks and every test file, then run the graded
     cell in a namespace of its own, then the tests against its pieces and `lab_hidden`.
     Returns [(test file name, [(case name, passed, message)])]."""
@@ -192,7 +201,7 @@ def run_tests_on(source: str, lab: str, tests_dir: str, seed: int, scale: float)
     if error is None and missing:
         error = f"the graded cell does not define {', '.join(missing)}"
     test_env = {n: env.get(n) for n in cell.names}
-    test_env["lab_hidden"] = Hidden(seed, scale)
+    test_env["lab_hidden"] = Hidden(seed, scale, shrink)
     out = []
     for tf in files:
         if error is not None:
@@ -247,15 +256,17 @@ class Job:
 
 
 def start(source: str, lab: str, tests_dir: Path, seed: int, scale: float = 1.0,
-          timeout_s: float = 300) -> Job:
-    """Fork the grading process for a graded cell; returns at once."""
+          timeout_s: float = 300, shrink: bool = True) -> Job:
+    """Fork the grading process for a graded cell; returns at once. `scale` and `shrink`:
+    the hidden checks' share of their sequences and whether a failure is shrunk (both
+    as grading has them by default; `make test` builds with less)."""
     read_fd, write_fd = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:  # the child
         os.close(read_fd)
-        _child(write_fd, source, lab, str(tests_dir), seed, scale)
+        _child(write_fd, source, lab, str(tests_dir), seed, scale, shrink)
     os.close(write_fd)
     return Job(pid, read_fd, time.monotonic(), timeout_s)
 
@@ -300,14 +311,15 @@ def finish(sub: Submission, tests_dir: Path, job: Job | None, similarity: dict |
 
 def grade_notebook(path: Path, tests_dir: Path, seed: int, lab: str | None = None,
                    scale: float = 1.0, shipped: set[str] | None = None,
-                   timeout_s: float = 300) -> Graded:
+                   timeout_s: float = 300, shrink: bool = True) -> Graded:
     """Grade one submitted notebook file against a tests folder: read it, check it, run
     it in a fresh process (unless refused), compare it with the engine's code."""
     from .similarity import similarity_report
 
     t0 = time.monotonic()
     sub = read_submission(Path(path), lab, shipped)
-    job = None if sub.refused else start(sub.source, sub.lab, tests_dir, seed, scale, timeout_s)
+    job = None if sub.refused else start(sub.source, sub.lab, tests_dir, seed, scale, timeout_s,
+                                         shrink)
     return finish(sub, tests_dir, job, similarity_report(sub.lab, sub.source), t0)
 
 

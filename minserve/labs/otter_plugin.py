@@ -62,7 +62,8 @@ class LabGrader(AbstractOtterPlugin):
                 seed = seed_of(cfg.get("secret") or PUBLIC_SECRET, self.sub.lab)
                 self.job = grading.start(self.sub.source, self.sub.lab, self.tests, seed,
                                          float(cfg.get("scale", 1.0)),
-                                         float(cfg.get("timeout_s", 300)))
+                                         float(cfg.get("timeout_s", 300)),
+                                         bool(cfg.get("shrink", True)))
         except Exception as e:  # noqa: BLE001 - reported in every case's message
             self.error = f"the grader could not read this submission: {type(e).__name__}: {e}"
 

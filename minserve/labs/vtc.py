@@ -337,8 +337,8 @@ def _machine():
 
     class Machine(Differential):
         submission: type
-        OPS = ((4, "arrive"), (1, "again"), (2, "peek"), (3, "pick"), (3, "decode"),
-               (2, "finish"), (1, "remove"))
+        OPS = ((4, "arrive"), (2, "again"), (2, "peek"), (3, "pick"), (3, "decode"),
+               (2, "finish"), (1, "remove"), (1, "drain"))
 
         def setup(self, arg) -> None:
             (self.w_in, self.w_out), _ = choose(((1.0, 2.0), (1.0, 1.0), (0.5, 3.0), (0.0, 1.0),
@@ -382,7 +382,11 @@ def _machine():
                     f"{r.prompt_len}, arrival_seq {r.arrival_seq})")
 
         def op_arrive(self, arg):
-            session, arg = choose(SESSIONS, arg)
+            # often a session already running or waiting: equal counters, ties to break
+            busy = sorted({self.reqs.sub[r].session_id for r in self.running}
+                          | {r.session_id for r in self.ref.order()})
+            mine, arg = choose((True, False), arg)
+            session, arg = choose(busy if mine and busy else SESSIONS, arg)
             priority, arg = choose(LAB3_PRIORITIES, arg)
             prompt, arg = choose((1, 2, 5, 8, 12), arg)
             gap, _ = choose((1, 1, 2, 7), arg)
@@ -448,6 +452,14 @@ def _machine():
             self.call(f"p.on_request_finished({rid})", lambda: self.ref.on_request_finished(ref),
                       lambda: self.sub.on_request_finished(sub), sentence=CONTRACT["finish"],
                       where=_where3("on_request_finished"))
+
+        def op_drain(self, arg):
+            """Pick (and charge) until the queue is empty: the next arrival meets an empty
+            queue, whose clock is the counter of the session that left it last."""
+            if not len(self.ref):
+                return self.op_arrive(arg)
+            while len(self.ref):
+                self.op_pick(arg)
 
         def op_remove(self, arg):
             waiting = [r.request_id for r in self.ref.order()]

@@ -1,6 +1,6 @@
 # mistake: the key leaves arrival_seq out, so equal counters go in list order; a preempted request that comes back is appended last although it arrived first
-# expect: where to look: VTCLab.key
-# expect: equal counters go in arrival order
+# expect: where to look: VTCLab
+# expect: iter(policy) lists the waiting requests by the key
 class VTCLab(Policy):
     """VTC within one priority tier at a time (minserve/fair.py keeps a clock per tier)."""
 

@@ -1,6 +1,6 @@
 # mistake: equal counters are broken by the request's position in the waiting list (the order the hooks appended them), not by arrival_seq
-# expect: where to look: VTCLab.key
-# expect: equal counters go in arrival order
+# expect: where to look: VTCLab
+# expect: iter(policy) lists the waiting requests by the key
 class VTCLab(Policy):
     """VTC within one priority tier at a time (minserve/fair.py keeps a clock per tier)."""
 

@@ -1,5 +1,6 @@
 # mistake: free returns every block of the table at once, even those another sequence still holds
-# expect: free('a') while b shares its first 3 blocks
+# expect: where to look: BlockManagerLab
+# expect: ref_count - 1 per block
 class BlockManagerLab(BlockManager):
 
     def _cached_blocks(self, token_ids: list[int]) -> list[int]:

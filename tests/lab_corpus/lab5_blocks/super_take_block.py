@@ -1,5 +1,6 @@
 # mistake: _take_block is minserve's own, through super()
-# expect: minserve's own BlockManager._take_block
+# expect: the graded cell was not run
+# expect: `super()._take_block` calls the engine's own BlockManager._take_block
 class BlockManagerLab(BlockManager):
 
     def _cached_blocks(self, token_ids: list[int]) -> list[int]:

@@ -1,5 +1,6 @@
 # mistake: the walk hashes every full block along the chain and keeps all that are cached
-# expect: a later block is only valid after its whole chain
+# expect: where to look: BlockManagerLab
+# expect: stopping at the first miss
 class BlockManagerLab(BlockManager):
 
     def _cached_blocks(self, token_ids: list[int]) -> list[int]:

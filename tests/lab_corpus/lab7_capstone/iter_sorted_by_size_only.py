@@ -1,6 +1,5 @@
 # mistake: __iter__ sorts by size alone (shortest first): its head is right while the tiers hold one priority, but it forgets the tiers and the aging the picks use
 # expect: where to look: MyPolicy.__iter__
-# expect: in the order pick_next() would take them
 class MyPolicy(Policy):
     name = "mine"
 

@@ -1,6 +1,5 @@
 # mistake: peek_next keeps the head's index into the waiting list; remove shifts the list, so the next peek returns another request than the head (or one that no longer waits)
 # expect: where to look: MyPolicy.peek_next
-# expect: every arrival, pick and remove counts at the next peek
 class MyPolicy(Policy):
     name = "mine"
 
