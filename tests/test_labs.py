@@ -375,3 +375,21 @@ def test_the_secret_never_appears_in_any_output_of_grading(tmp_path):
                 if p.is_file()]
     leaks = [o[:200] for o in outputs if secret in o or "spring-2027" in o]
     assert not leaks, leaks
+
+
+def test_the_counts_teaching_md_quotes_are_the_corpus_and_the_tests_as_they_are():
+    """docs/teaching.md quotes the corpus's size by kind and the labs' tests through
+    docs/figures.json; they are counted here, the tests by pytest's own collection."""
+    from minserve import figures
+
+    quoted = {k: v["value"] for k, v in figures.load().items() if k.startswith("labs.")}
+    assert quoted["labs.corpus_submissions"] == len(CORPUS)
+    assert quoted["labs.corpus_wrong"] == len(MISTAKES)
+    assert quoted["labs.corpus_attempts"] == len(ATTEMPTS)
+    assert quoted["labs.corpus_correct"] == len(CORRECT)
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                                "-p", "no:cacheprovider", "tests/test_labs.py",
+                                "tests/test_lab_grading.py"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=300)
+    count = int(re.search(r"(\d+) tests? collected", collected.stdout)[1])
+    assert quoted["labs.tests"] == count, collected.stdout[-500:]

@@ -10,7 +10,7 @@ from ..engine import Engine
 from ..kv_cache import BlockManager, NoFreeBlocksError
 from ..sampling import SamplingParams
 from .allowlist import Cell
-from .common import drain, fail, stock_tokens, student, tiny_engine
+from .common import drain, fail, secret_rng, stock_tokens, student, tiny_engine
 from .guard import guarded_check
 
 WHERE = ("docs/kv_cache.md (K1-K3: chained hashes, reference counts, LRU eviction) and notebook "
@@ -145,11 +145,22 @@ def check_free_and_lru(cls) -> None:
 
 
 SYSTEM = list(range(40, 72))  # a 32-token system prompt: 2 blocks of 16
-# five requests whose 17-token questions fill a third block of their own, in a pool of 7
-# blocks: finished requests leave cached blocks, and later ones must evict some (2 with
-# minserve's BlockManager; a pool of 8 evicts none)
-EVICTING = {"questions": tuple(tuple(range(100 + 20 * k, 117 + 20 * k)) for k in range(5)),
-            "max_tokens": 4, "num_blocks": 7, "min_evictions": 1}
+
+
+def hidden_workload(hidden, evicting: bool = False) -> dict:
+    """check_in_engine's arguments drawn from the instructor's secret: questions after the
+    shared system prompt; `evicting`: four to six questions of 17-19 tokens (a full block of
+    their own each) in a pool of 7 blocks, where finished requests leave cached blocks and
+    later ones must evict some (a pool of 8 would evict none)."""
+    rng = secret_rng(hidden.seed, f"lab5/engine/{evicting}")
+    n = rng.randint(4, 6)
+    if evicting:
+        questions = tuple(tuple(range(100 + 20 * k, 100 + 20 * k + rng.randint(17, 19)))
+                          for k in range(n))
+        return {"questions": questions, "max_tokens": rng.randint(2, 4), "num_blocks": 7,
+                "min_evictions": 1}
+    questions = tuple(tuple(range(1 + 10 * k, 1 + 10 * k + rng.randint(1, 6))) for k in range(n))
+    return {"questions": questions, "max_tokens": rng.randint(2, 5)}
 
 
 @guarded_check(60, reference, WHERE)

@@ -40,6 +40,18 @@ def fail(what: str, where: str) -> NoReturn:
     raise LabCheckFailed(f"{what}\n    where to look: {where}")
 
 
+# ------------------------------------------------------------------ the labs
+LABS = {"lab1_fcfs": "fcfs", "lab2_gates": "gates", "lab3_vtc": "vtc", "lab4_padded": "padded",
+        "lab5_blocks": "blocks", "lab6_chunked": "chunked", "lab7_capstone": "capstone"}
+
+
+def lab_module(lab: str):
+    """A lab's module of checks (its CELL, its reference, its hidden checks)."""
+    import importlib
+
+    return importlib.import_module(f"minserve.labs.{LABS[lab]}")
+
+
 # ------------------------------------------------------------------ the instructor's secret
 def secret_rng(secret: str | int, label: str) -> random.Random:
     """The random inputs of one hidden check, drawn from the instructor's secret (given

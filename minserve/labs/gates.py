@@ -137,31 +137,6 @@ def check_story(handles, events, budget: int, sizes) -> list[dict]:
     return events
 
 
-@guarded_check(60, reference, WHERE)
-def exact_fit_story(g1, g2, g3) -> None:
-    """In the engine: a request needing exactly the whole budget is served alone; two that
-    fill it to the last token are admitted in the same tick, without a hold."""
-    engine = use_gates(tiny_engine(max_batch_size=4, kv_budget_tokens=40, max_queue_size=4,
-                                   enable_prefix_caching=False),
-                       check_queue_capacity=g1, check_kv_budget=g2, check_block_pool=g3)
-    whole = engine.submit(list(range(1, 31)), SamplingParams(max_tokens=10))
-    drain(engine, WHERE)
-    if whole.output.finish_reason == "error":
-        fail(f"a request of 30 + 10 = 40 tokens into a 40-token budget was refused: "
-             f"{whole.output.rejection}; need == budget fits an empty engine (refuse only "
-             "need > budget)", f"check_kv_budget; {WHERE}")
-    engine.trace.clear()
-    pair = [engine.submit(list(range(50, 62)), SamplingParams(max_tokens=8)),
-            engine.submit(list(range(70, 84)), SamplingParams(max_tokens=6))]
-    drain(engine, WHERE)
-    held = [rec.admit.held for rec in engine.trace if rec.admit.held]
-    if held or any(h.output.finish_reason == "error" for h in pair):
-        fail(f"two requests of 20 tokens each into a 40-token budget: the second fills it to "
-             f"the last token (reserved 20 + need 20 == 40) and must be admitted at once, but "
-             f"it was held or refused: {held[0] if held else pair[1].output.rejection}",
-             f"check_kv_budget; {WHERE}")
-
-
 # ------------------------------------------------------------------ hidden: against the engine
 CONTRACT = {
     "check_queue_capacity": "G1 refuses (hard, queue_full) when pending >= max_queue_size, "
@@ -279,11 +254,11 @@ CELL = Cell(names=NAMES, provided=lambda: {"Rejection": Rejection},
 SIMILARITY_THRESHOLD = None
 
 
-def hidden_story(hidden) -> dict:
+def hidden_story(hidden, label: str = "story") -> dict:
     """gate_story's arguments drawn from the instructor's secret: a budget and four
     (prompt, max_tokens) that keep the story (the first two fit together, the third fits
     after either finishes but not beside both, the fourth exceeds the whole budget)."""
-    rng = secret_rng(hidden.seed, "lab2/story")
+    rng = secret_rng(hidden.seed, f"lab2/{label}")
     budget = rng.randint(30, 90)
     first = rng.randint(budget // 4, budget // 2 - 2)
     second = rng.randint(budget // 4, budget - first - 2)

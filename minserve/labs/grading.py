@@ -34,6 +34,7 @@ import contextlib
 import importlib
 import json
 import os
+import re
 import select
 import signal
 import sys
@@ -44,14 +45,10 @@ from pathlib import Path
 from typing import Any
 
 from .allowlist import Violation, check_cell, minserve_names, safe_builtins, scan_other_cell
+from .common import LABS, lab_module
 
-LABS = {"lab1_fcfs": "fcfs", "lab2_gates": "gates", "lab3_vtc": "vtc", "lab4_padded": "padded",
-        "lab5_blocks": "blocks", "lab6_chunked": "chunked", "lab7_capstone": "capstone"}
 ANSWER_TAG = "otter_answer_cell"  # otter assign tags the cells a student writes in
-
-
-def lab_module(lab: str):
-    return importlib.import_module(f"minserve.labs.{LABS[lab]}")
+OTTER_INIT = re.compile(r'# Initialize Otter\nimport otter\ngrader = otter\.Notebook\("[\w.-]+"\)')
 
 
 # ------------------------------------------------------------------ reading the submission
@@ -71,13 +68,15 @@ class Submission:
         if self.violations:
             shown = "; ".join(str(v) for v in self.violations[:4])
             more = f" (and {len(self.violations) - 4} more)" if len(self.violations) > 4 else ""
-            return (f"the graded cell was not run: {shown}{more}. A graded cell may use the "
-                    "standard library's data structures and what the lab's earlier cells "
-                    "import; see 'What a graded cell may use' in the lab")
+            return (f"LabCheckFailed: the graded cell was not run: {shown}{more}. A graded cell "
+                    "may use the standard library's data structures and what the lab's earlier "
+                    "cells import.\n    where to look: 'What a graded cell may use' at the top "
+                    "of the lab; docs/teaching.md, 'Where the trust boundary is'")
         if self.attempts:
-            return (f"the submission reaches for the grader: {'; '.join(self.attempts[:3])}. "
-                    "Grading runs the graded cell alone, so no other cell can change a check; "
-                    "a notebook that tries scores 0 (docs/teaching.md, 'What grading catches')")
+            return (f"LabCheckFailed: the submission reaches for the grader: "
+                    f"{'; '.join(self.attempts[:3])}. Grading runs the graded cell alone, so no "
+                    "other cell can change a check; a notebook that tries scores 0.\n"
+                    "    where to look: docs/teaching.md, 'Where the trust boundary is'")
         return None
 
 
@@ -112,6 +111,8 @@ def read_submission(path: Path, lab: str | None = None,
         if c.cell_type != "code" or i in answers:
             continue
         if shipped is not None and hashlib.sha256(c.source.encode()).hexdigest() in shipped:
+            continue
+        if OTTER_INIT.fullmatch(c.source.strip()):  # otter's own first cell, as assign writes it
             continue
         sub.attempts += [f"cell {i}: {v}" for v in scan_other_cell(c.source, imported)]
     return sub
@@ -194,12 +195,15 @@ def run_tests_on(source: str, lab: str, tests_dir: str, seed: int, scale: float,
         with time_limit(20, "the graded cell", "the graded cell's top level"):
             exec(compile(source, f"<the graded cell of {lab}>", "exec"), env)  # noqa: S102
     except LabCheckFailed as e:
-        error = str(e)
+        error = f"LabCheckFailed: {e}"
     except BaseException as e:  # noqa: BLE001 - said in every test's message
-        error = f"the graded cell raised {describe_crash(e, 'the graded cell')}"
+        error = (f"LabCheckFailed: the graded cell raised {describe_crash(e, 'the graded cell')}"
+                 "\n    where to look: the graded cell (grading runs it alone: what it uses "
+                 "must be defined in it)")
     missing = [n for n in cell.names if n not in env]
     if error is None and missing:
-        error = f"the graded cell does not define {', '.join(missing)}"
+        error = (f"LabCheckFailed: the graded cell does not define {', '.join(missing)}"
+                 "\n    where to look: the graded cell")
     test_env = {n: env.get(n) for n in cell.names}
     test_env["lab_hidden"] = Hidden(seed, scale, shrink)
     out = []
@@ -301,7 +305,10 @@ def finish(sub: Submission, tests_dir: Path, job: Job | None, similarity: dict |
         got = job.wait()
         if isinstance(got, dict):  # the process failed: every case fails, saying why
             error = got["error"]
-            questions = {tf.name: [(tc.name, False, f"❌ Test case failed\n{error}")
+            questions = {tf.name: [(tc.name, False, f"❌ Test case failed\nLabCheckFailed: "
+                                                    f"grading did not finish: {error}\n"
+                                                    "    where to look: the graded cell (a loop "
+                                                    "that never ends? memory?)")
                                    for tc in tf.test_cases] for tf in files}
         else:
             questions = {name: [tuple(c) for c in cases] for name, cases in got}

@@ -417,12 +417,12 @@ def ENGINE_CODE():  # noqa: N802 - read by similarity.py beside the other labs' 
     return [(PaddedBackend, ("promote", "remove_row", "decode_step_batched"), "PaddedBackend")]
 
 
-def hidden_plan(hidden) -> list:
+def hidden_plan(hidden, label: str = "plan") -> list:
     """A mixed workload drawn from the instructor's secret: the longest prompt leaves
     first, shorter rows keep decoding and later ones splice in (mask wider than kv_length)."""
     from .common import secret_rng
 
-    rng = secret_rng(hidden.seed, "lab4/plan")
+    rng = secret_rng(hidden.seed, f"lab4/{label}")
     long = (list(range(1, rng.randint(25, 45))), rng.randint(1, 2))
     rows = [(list(range(50 + 7 * i, 50 + 7 * i + rng.randint(2, 12))), rng.randint(4, 12))
             for i in range(rng.randint(3, 5))]

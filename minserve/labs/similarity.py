@@ -132,7 +132,7 @@ def engine_source(lab: str) -> str:
 def engine_pieces(lab: str) -> list:
     """(owner, attribute names, ...) of the engine's code for the lab's piece: the lab
     module's ENGINE_CODE, else what its guard forbids (`reference`)."""
-    from .grading import lab_module
+    from .common import lab_module
 
     module = lab_module(lab)
     return (module.ENGINE_CODE if hasattr(module, "ENGINE_CODE") else module.reference)()
@@ -140,7 +140,7 @@ def engine_pieces(lab: str) -> list:
 
 def similarity_report(lab: str, cell: str) -> dict:
     """{"share": 0..1, "flagged": bool, "threshold", "of": what it was compared with}."""
-    from .grading import lab_module
+    from .common import lab_module
 
     value = round(share(cell, engine_source(lab)), 2)
     threshold = getattr(lab_module(lab), "SIMILARITY_THRESHOLD", THRESHOLD)

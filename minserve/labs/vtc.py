@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from ..fair import FairPolicy
 from ..sampling import SamplingParams
 from .allowlist import Cell
-from .common import admission_order, drain, fail, make_req, student, tiny_engine
+from .common import admission_order, drain, fail, make_req, secret_rng, student, tiny_engine
 from .fcfs import use_policy
 from .guard import guarded_check
 
@@ -239,21 +239,27 @@ def check_bound(cls, seeds=range(40)) -> float:
 
 
 @guarded_check(60, reference, WHERE)
-def check_in_engine(cls) -> list[str]:
+def check_in_engine(cls, hidden=None) -> list[str]:
     """A heavy backlog (alice, 6 requests) then bob's one request, in a batch of 1 row: under
-    VTC bob is admitted second, not seventh. Returns the admission order."""
+    VTC bob is admitted second, not seventh. With `hidden`, the names, the backlog's size
+    and the lengths are drawn from the instructor's secret. Returns the admission order."""
+    rng = secret_rng(hidden.seed, "lab3/engine") if hidden is not None else None
+    heavy, light = rng.sample(["ana", "ben", "cho", "dev", "eli"], 2) if rng else ("alice", "bob")
+    backlog = rng.randint(3, 8) if rng else 6
     engine = use_policy(tiny_engine(max_batch_size=1), student(cls, 1.0, 2.0,
                                                               name="VTCLab()", where=WHERE))
-    for i in range(6):
-        student(engine.submit, list(range(3 * i + 1, 3 * i + 7)), SamplingParams(max_tokens=3),
-                session_id="alice", name="on_request_arrived", where=WHERE)
-    bob = engine.submit([9, 8, 7, 6], SamplingParams(max_tokens=3), session_id="bob")
+    for i in range(backlog):
+        n = rng.randint(2, 8) if rng else 6
+        student(engine.submit, list(range(3 * i + 1, 3 * i + 1 + n)),
+                SamplingParams(max_tokens=rng.randint(1, 4) if rng else 3),
+                session_id=heavy, name="on_request_arrived", where=WHERE)
+    bob = engine.submit([9, 8, 7, 6], SamplingParams(max_tokens=3), session_id=light)
     drain(engine, WHERE)
     order = admission_order(engine.trace)
     if order.index(bob.request_id) != 1:
-        fail(f"bob's one request was admitted at position {order.index(bob.request_id) + 1} of "
-             f"{len(order)} behind alice's backlog ({order}); under VTC he is the least served "
-             "and goes right after alice's first", WHERE)
+        fail(f"{light}'s one request was admitted at position {order.index(bob.request_id) + 1} "
+             f"of {len(order)} behind {heavy}'s backlog ({order}); under VTC {light} is the least "
+             f"served and goes right after {heavy}'s first", WHERE)
     return order
 
 
