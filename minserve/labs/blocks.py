@@ -246,15 +246,17 @@ def _machine():
 
     class Machine(Differential):
         submission: type
-        OPS = ((4, "allocate"), (3, "computed"), (2, "grow"), (4, "free"), (2, "query"),
-               (1, "take"))
+        OPS = ((4, "allocate"), (3, "computed"), (2, "grow"), (4, "free"), (3, "query"),
+               (1, "take"), (2, "share"), (2, "side_by_side"))
 
         def setup(self, arg) -> None:
-            self.num_blocks, arg = choose((3, 4, 5, 6, 8), arg)
+            self.num_blocks, arg = choose((3, 4, 6, 8, 8, 10), arg)
             self.size, arg = choose((1, 2, 2, 3, 4), arg)
             # block-sized chunks that prompts are made of, so that prefixes repeat
             self.chunks = [[100 + 10 * c + t for t in range(self.size)] for c in range(3)]
             self.tokens: dict[str, list[int]] = {}
+            self.prompts: list[list[int]] = []  # every prompt allocated: queries reuse them
+            self.fresh = 500  # tokens no chunk uses: prompts that share nothing
             self.n = 0
             args = (self.num_blocks, self.size, True)
             self.ref = self.sub = None
@@ -276,12 +278,18 @@ def _machine():
 
         def _prompt(self, arg) -> tuple[list[int], int]:
             """A prompt of whole chunks (0-4 of them, from 3: prefixes repeat) and a tail;
-            one time in three, exactly as many blocks as are free now (an exactly full pool)."""
-            full, arg = choose((False, False, True), arg)
+            or exactly as many blocks as are free now (an exactly full pool); or one block
+            more than the free list holds, of tokens no chunk uses (it evicts the least
+            recently used cached block, and only it)."""
+            kind, arg = choose(("chunks", "chunks", "chunks", "full", "evict one"), arg)
             k, arg = choose((0, 1, 2, 2, 3, 4), arg)
             tail, arg = choose((0, 1, self.size - 1), arg)
-            if full:
+            if kind == "full":
                 k, tail = self.ref.num_free_blocks(), 0
+            if kind == "evict one" and self.ref._evictable:
+                n = (len(self.ref._free) + 1) * self.size
+                self.fresh += n
+                return list(range(self.fresh - n, self.fresh)), arg
             tokens = []
             for _ in range(k):
                 c, arg = choose(self.chunks, arg)
@@ -311,6 +319,7 @@ def _machine():
                                 where=_where5("_cached_blocks / _take_block"))
             if self.ref.has_seq(seq) and seq not in self.tokens:
                 self.tokens[seq] = tokens
+                self.prompts.append(tokens)
 
         def op_computed(self, arg):
             if not self.tokens:
@@ -342,9 +351,94 @@ def _machine():
 
         def op_query(self, arg):
             method, arg = choose(("cached_prefix_len", "blocks_needed", "_cached_blocks"), arg)
-            tokens, _ = self._prompt(arg)
+            again, arg = choose((True, False), arg)
+            tokens, _ = choose(self.prompts, arg) if again and self.prompts else self._prompt(arg)
             self._both(f"bm.{method}({tokens})", method, tokens, sentence=CONTRACT["query"],
                        where=_where5("_cached_blocks"))
+
+        def op_side_by_side(self, arg):
+            """Two prompts with the same new prefix admitted in the same tick, computed one
+            after the other (the second one's copy of the prefix stays private, its next
+            block is registered: K3), then freed shorter first. Later evictions can then
+            leave a chain with a gap: a block cached after one that is not."""
+            k, arg = choose((1, 2), arg)
+            extra, arg = choose(self.chunks, arg)
+            self.fresh += k * self.size
+            prefix = list(range(self.fresh - k * self.size, self.fresh))
+            short, long = prefix + [7], prefix + extra + [8]
+            ids = []
+            for tokens in (short, long):
+                self.n += 1
+                seq = f"s{self.n}"
+                self._both(f"bm.allocate_prompt({seq!r}, {tokens})", "allocate_prompt", seq,
+                           tokens, sentence=CONTRACT["allocate"],
+                           where=_where5("_cached_blocks / _take_block"))
+                if not self.ref.has_seq(seq):
+                    return
+                self.tokens[seq] = tokens
+                self.prompts.append(tokens)
+                ids.append(seq)
+            for seq in ids:
+                tokens = self.tokens[seq]
+                self._both(f"bm.mark_computed({seq!r}, {tokens}, {len(tokens)})", "mark_computed",
+                           seq, tokens, len(tokens), sentence=CONTRACT["computed"],
+                           where=_where5("_take_block / free"))
+            last_prefix = self.ref.block_table(ids[0])[k - 1]  # the short one's: registered
+            for seq in ids:
+                del self.tokens[seq]
+                self._both(f"bm.free({seq!r})", "free", seq, sentence=CONTRACT["free"],
+                           where=_where5("free"))
+            # evict every cached block up to that one (the LRU order): the long prompt's next
+            # block, registered by the long one, stays cached after the gap
+            order = list(self.ref._evictable)
+            if last_prefix not in order:
+                return
+            blocks = len(self.ref._free) + order.index(last_prefix) + 1
+            if blocks > self.ref.num_free_blocks():
+                return
+            self.fresh += blocks * self.size
+            self.n += 1
+            seq = f"s{self.n}"
+            tokens = list(range(self.fresh - blocks * self.size, self.fresh))
+            self._both(f"bm.allocate_prompt({seq!r}, {tokens})  # evicts the oldest cached",
+                       "allocate_prompt", seq, tokens, sentence=CONTRACT["allocate"],
+                       where=_where5("_take_block"))
+            if self.ref.has_seq(seq):
+                self.tokens[seq] = tokens
+            for method in ("_cached_blocks", "cached_prefix_len"):
+                self._both(f"bm.{method}({long})", method, long, sentence=CONTRACT["query"],
+                           where=_where5("_cached_blocks"))
+
+        def op_share(self, arg):
+            """A computed prompt, then another with its prefix (shared blocks, ref counts 2),
+            then one of the two freed."""
+            k, arg = choose((1, 1, 2), arg)
+            tokens = []
+            for _ in range(k):
+                c, arg = choose(self.chunks, arg)
+                tokens += c
+            tail, arg = choose(self.chunks, arg)
+            first, arg = choose((True, False), arg)
+            seqs = []
+            for t in (tokens + [7], tokens + tail + [9]):
+                self.n += 1
+                seq = f"s{self.n}"
+                self._both(f"bm.allocate_prompt({seq!r}, {t})", "allocate_prompt", seq, t,
+                           sentence=CONTRACT["allocate"],
+                           where=_where5("_cached_blocks / _take_block"))
+                if not self.ref.has_seq(seq):
+                    return
+                self.tokens[seq] = t
+                self.prompts.append(t)
+                seqs.append(seq)
+                if len(seqs) == 1:
+                    self._both(f"bm.mark_computed({seq!r}, {t}, {len(t)})", "mark_computed", seq,
+                               t, len(t), sentence=CONTRACT["computed"],
+                               where=_where5("_take_block / free"))
+            seq = seqs[0] if first else seqs[1]
+            del self.tokens[seq]
+            self._both(f"bm.free({seq!r})", "free", seq, sentence=CONTRACT["free"],
+                       where=_where5("free"))
 
         def op_take(self, arg):
             if self.ref.num_free_blocks():  # only where no caller would reach it

@@ -238,7 +238,7 @@ class Trial:
 
 
 class Differential:
-    """Base of a lab's machine. A subclass defines `setup()` (build both sides; the
+    """Base of a lab's machine. A subclass defines `setup(arg)` (build both sides; the
     submission's constructor is the first step of every sequence), `OPS` (weight, name)
     and an `op_<name>(arg)` per operation (arg: an integer its inputs are decoded from),
     and `observe()`: what must agree after every step. Class attributes given to `run`
