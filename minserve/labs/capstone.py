@@ -72,6 +72,10 @@ def _look(p, waiting: list, when: str):
     if p.peek_next() is not head:
         fail(f"{when}: two peek_next calls in a row returned different requests "
              f"({head.request_id}, then another): peek must be stable", _where("peek_next"))
+    if not any(r is head for r in waiting):
+        fail(f"{when}: peek_next returned {head.request_id}, which no longer waits (it was "
+             "picked or removed): a head remembered from an earlier peek goes stale; let "
+             "every arrival, pick and remove count at the next peek", _where("peek_next"))
     top = max(r.priority for r in waiting)
     if head.priority != top:
         fail(f"{when}: peek_next chose {head.request_id} (priority {head.priority}) while a "

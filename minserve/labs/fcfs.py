@@ -123,8 +123,16 @@ def check_hooks(cls, seed: int = 0, n: int = 8) -> None:
     if got != [r.request_id for r in expect] or len(policy):
         fail(f"the queue drained as {got}, expected {[r.request_id for r in expect]}",
              f"FCFSLab.peek_next / on_request_arrived; {WHERE}")
-    if policy.peek_next() is not None:
-        fail("peek_next on an empty queue should return None", f"FCFSLab.peek_next; {WHERE}")
+    try:
+        last = policy.peek_next()
+    except Exception as e:  # noqa: BLE001 - named with its input below
+        fail(f"peek_next() on the empty queue (after all {n} requests were picked) raised "
+             f"{type(e).__name__}: {e}; it should return None when nothing waits",
+             f"FCFSLab.peek_next; {WHERE}")
+    if last is not None:
+        fail(f"peek_next() on the empty queue (after all {n} requests were picked) returned "
+             f"{getattr(last, 'request_id', last)!r}; it should return None",
+             f"FCFSLab.peek_next; {WHERE}")
 
 
 # prompt, max_tokens, priority: a batch of 2 rows, so the order of admission shows

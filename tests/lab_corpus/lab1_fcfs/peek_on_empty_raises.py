@@ -1,6 +1,6 @@
 # mistake: peek_next indexes the list without checking it, so a peek on an empty queue raises instead of returning None
 # expect: p.peek_next()
-# expect: raised IndexError
+# expect: peek_next() on the empty queue
 # expect: None when nothing waits
 class FCFSLab(Policy):
     """P1: first come, first served within priority tiers."""
