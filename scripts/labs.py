@@ -468,7 +468,8 @@ def detection(n_secrets: int = 200, labs: list[str] | None = None, workers: int 
     wrong submission (all `n_secrets` of them must) and how many fail each correct one
     (none of `n_correct` may). The hidden checks are called directly on the graded cell,
     run as grading runs it, at full scale, without shrinking (a count needs no shortest
-    sequence). Returns a markdown table (docs/lab_detection.md)."""
+    sequence). Returns the rows (lab, submission, kind, secrets that caught it, secrets,
+    seconds per secret), in the corpus's order (docs/lab_detection.md)."""
     import multiprocessing as mp
 
     cases = [("solution", lab, None) for lab in (labs or sorted(MODULES))]
@@ -476,13 +477,53 @@ def detection(n_secrets: int = 200, labs: list[str] | None = None, workers: int 
               and not m.attempt]
     jobs = [(name, lab, code, n_correct if code is None or "# correct:" in code else n_secrets)
             for name, lab, code in cases]
+    # the correct ones run every check for every secret: the longest jobs, started first;
+    # each row is printed to stderr as it comes, so a long run shows where it is
+    order = sorted(range(len(jobs)), key=lambda i: jobs[i][2] is not None
+                   and "# correct:" not in jobs[i][2])
+    done = {}
     with mp.get_context("fork").Pool(workers) as pool:
-        rows = pool.starmap(_detect, jobs)
+        for i, row in pool.imap_unordered(_detect_job, [(i, jobs[i]) for i in order]):
+            done[i] = row
+            print(f"[{len(done)}/{len(jobs)}] " + " | ".join(map(str, row)), file=sys.stderr,
+                  flush=True)
+    return [done[i] for i in range(len(jobs))]
+
+
+def detection_table(rows: list[tuple]) -> str:
     lines = ["| lab | submission | kind | secrets that catch it | seconds per secret |",
              "|---|---|---|---|---|"]
     for lab, name, kind, caught, n, seconds in rows:
         lines.append(f"| {lab} | {name} | {kind} | {caught} / {n} | {seconds:.2f} |")
     return "\n".join(lines)
+
+
+def detection_summary(rows: list[tuple]) -> tuple[str, dict[str, int]]:
+    """Per lab: the wrong submissions every secret caught, the fewest secrets that caught
+    one, the secrets that failed a correct one. Returns the table and the totals
+    (docs/figures.json's labs.detection_*)."""
+    lines = ["| lab | wrong ones caught by every secret | fewest secrets catching one | "
+             "correct ones (and solution) failed by a secret |", "|---|---|---|---|"]
+    for lab in sorted({r[0] for r in rows}):
+        wrong = [r for r in rows if r[0] == lab and r[2] != "correct"]
+        right = [r for r in rows if r[0] == lab and r[2] == "correct"]
+        lines.append(f"| {lab} | {sum(c == n for *_, c, n, _ in wrong)} of {len(wrong)} | "
+                     f"{min(c for *_, c, n, _ in wrong)} of {wrong[0][4]} | "
+                     f"{sum(c for *_, c, n, _ in right)} of {sum(n for *_, n, _ in right)} "
+                     f"({len(right)} submissions) |")
+    wrong = [r for r in rows if r[2] != "correct"]
+    right = [r for r in rows if r[2] == "correct"]
+    totals = {"wrong": len(wrong), "wrong_caught_always": sum(r[3] == r[4] for r in wrong),
+              "correct": len(right), "correct_failed": sum(r[3] for r in right),
+              "correct_secrets": min(r[4] for r in right)}
+    return "\n".join(lines), totals
+
+
+def conditions(load_start: float, load_end: float) -> dict:
+    """A time's conditions as docs/figures.json records them: quiet when the 1-minute load
+    was under 1 at the start (the run's own processes then raise it)."""
+    return {"machine": "quiet" if load_start < 1.0 else "loaded", "cores": os.cpu_count() or 1,
+            "load": f"{load_start:.1f}-{load_end:.1f}"}
 
 
 # ------------------------------------------------------------------ grading time
@@ -542,6 +583,12 @@ checks ran at full scale (as grading runs them), without shrinking. It took
 {minutes:.0f} minutes on two processes (load average {load} at the start, {end} at the
 end, on 2 cores; the seconds per secret below are from that run). `tests/test_labs.py`
 checks that this table lists the corpus as it is and that every count is all or none.
+
+Per lab:
+
+{summary}
+
+Per submission:
 
 {table}
 """
@@ -606,6 +653,11 @@ def solution_code(lab: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def _detect_job(job):
+    i, args = job
+    return i, _detect(*args)
+
+
 def _detect(name: str, lab: str, code: str | None, n: int):
     from minserve.labs.common import LabCheckFailed
     from minserve.labs.differential import Hidden, seed_of
@@ -647,13 +699,27 @@ if __name__ == "__main__":
         args = [a for a in sys.argv[2:] if a != "--write"]
         n = int(args[0]) if args else 200
         t0, load = time.perf_counter(), os.getloadavg()
-        table = detection(n, labs=args[1:] or None)
-        took = time.perf_counter() - t0
-        print(table)
+        rows = detection(n, labs=args[1:] or None)
+        took, end = time.perf_counter() - t0, os.getloadavg()[0]
+        table, (summary, totals) = detection_table(rows), detection_summary(rows)
+        print(summary + "\n\n" + table)
         if "--write" in sys.argv:
             (ROOT / "docs" / "lab_detection.md").write_text(DETECTION_PAGE.format(
-                n=n, table=table, minutes=took / 60, load=f"{load[0]:.1f}",
-                end=f"{os.getloadavg()[0]:.1f}", date=time.strftime("%Y-%m-%d")))
+                n=n, table=table, summary=summary, minutes=took / 60, load=f"{load[0]:.1f}",
+                end=f"{end:.1f}", date=time.strftime("%Y-%m-%d")))
+            from minserve import figures
+
+            source = (f"python scripts/labs.py detection {n} --write (docs/lab_detection.md, "
+                      f"{time.strftime('%Y-%m-%d')}; load average {load[0]:.1f} at the start, "
+                      f"{end:.1f} at the end, on {os.cpu_count()} cores)")
+            data = figures.load()
+            data["labs.detection_secrets"] = {"source": source, "value": n}
+            for key, value in totals.items():
+                data[f"labs.detection_{key}"] = {"source": source, "value": value}
+            data["labs.detection_minutes"] = {"source": source, "value": round(took / 60),
+                                              "conditions": conditions(load[0], end)}
+            figures.save(data)
+            figures.sync()
         sys.exit(0)
     if cmd == "timing":  # timing [--write]: the grading figures of docs/teaching.md
         load = os.getloadavg()[0]
@@ -672,7 +738,8 @@ if __name__ == "__main__":
                       f"{end:.1f} at the end, on 2 cores)")
             data = figures.load()
             for key in ("median_s", "max_s", "median_cpu_s", "median_right_s", "median_wrong_s"):
-                data[f"labs.grading_{key}"] = {"source": source, "value": t[key]}
+                data[f"labs.grading_{key}"] = {"source": source, "value": t[key],
+                                               "conditions": conditions(load, end)}
             figures.save(data)
             figures.sync()
         sys.exit(0)

@@ -322,7 +322,9 @@ def test_the_detection_table_covers_the_corpus_and_every_case_is_caught_by_every
     want = {(m.lab, m.name) for m in CORPUS if not m.attempt} | {(lab, "solution") for lab in LABS}
     assert set(table) == want, sorted(set(table) ^ want)
     for (lab, name), (kind, caught, n) in table.items():
-        assert n >= 200, (lab, name, n)
+        # a wrong one under 200 secrets; a correct one (every check runs to its end, some
+        # 3 s a secret) under 20
+        assert n >= (20 if kind == "correct" else 200), (lab, name, n)
         assert caught == (0 if kind == "correct" else n), (lab, name, kind, caught, n)
 
 
