@@ -5,7 +5,7 @@
     python scripts/labs.py grade ZIP SUBMISSION...   # `otter run`, many submissions, one process
     python scripts/labs.py corpus [OUT] [-j N]       # solutions + tests/lab_corpus through otter run
     python scripts/labs.py detection [SECRETS] [LAB] [--write]  # each corpus case, many secrets
-    python scripts/labs.py timing [--write]   # docs/teaching.md's grading command, timed
+    python scripts/labs.py timing [OUT] [--write]   # docs/teaching.md's grading command, timed
 
 One source notebook per lab (`notebooks/labs/`) carries otter-assign's markers; `otter
 assign` makes, per lab, `OUT/<lab>/student/` (stubs, public tests) and
@@ -723,7 +723,12 @@ if __name__ == "__main__":
         sys.exit(0)
     if cmd == "timing":  # timing [--write]: the grading figures of docs/teaching.md
         load = os.getloadavg()[0]
-        t = timing(Path(next((a for a in sys.argv[2:] if a != "--write"), DEFAULT_OUT)))
+        import tempfile
+
+        # its own build (a secret of its own) in a temporary folder unless given one:
+        # never over a teacher's build/labs and the secret it was sealed with
+        t = timing(Path(next((a for a in sys.argv[2:] if a != "--write"), None)
+                        or tempfile.mkdtemp(prefix="lab-timing-build-")))
         end = os.getloadavg()[0]
         for row in t["rows"]:
             print("| " + " | ".join(str(x) for x in row) + " |")

@@ -212,7 +212,8 @@ CONTRACT = {
             "cached (hashed, newest in the LRU order) or free (appended to the free list). "
             "An unknown id is ignored.",
     "query": "cached_prefix_len / blocks_needed / _cached_blocks only read: the longest "
-             "cached prefix (whole blocks, at most (len - 1) // block_size of them).",
+             "cached prefix, by the chained-hash walk stopping at the first miss (whole "
+             "blocks, at most (len - 1) // block_size of them).",
     "take": "_take_block() with nothing free and nothing cached raises NoFreeBlocksError.",
     "state": "every block is in exactly one of free / cached / used, with the ref counts, "
              "hashes and token counts the engine's BlockManager gives it; the free list is "
