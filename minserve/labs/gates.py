@@ -215,7 +215,10 @@ def _machine():
 
         def op_g2(self, arg):
             budget, arg = choose((8, 16, 40, 64, 100), arg)
-            need, arg = _near(choose((budget, budget // 2, 1, budget // 3), arg)[0], arg >> 2)
+            # the whole budget twice as often: a need that exactly fits is the boundary
+            # students move (>= for >)
+            need, arg = _near(choose((budget, budget, budget // 2, 1, budget // 3), arg)[0],
+                              arg // 5)
             room, arg = choose((budget - need, budget - need, 0, budget, need), arg)
             reserved, _ = _near(max(0, room), arg)
             self._gate("check_kv_budget", self.g2,
@@ -242,7 +245,7 @@ def check_against_the_engine(g1, g2, g3, hidden) -> None:
     from .differential import run
 
     run(_machine(), hidden, "lab2/gates", piece="your gates", reference="minserve's own gates",
-        where=WHERE, bind={"g1": g1, "g2": g2, "g3": g3}, examples=60, steps=20)
+        where=WHERE, bind={"g1": g1, "g2": g2, "g3": g3}, examples=100, steps=20)
 
 
 # what the graded cell defines and may use (allowlist.py; grading runs it alone)

@@ -460,12 +460,12 @@ def _machine():
                       where=_where3("on_request_finished"))
 
         def op_drain(self, arg):
-            """Pick (and charge) until the queue is empty: the next arrival meets an empty
-            queue, whose clock is the counter of the session that left it last."""
-            if not len(self.ref):
-                return self.op_arrive(arg)
+            """Pick (and charge) until the queue is empty, then one request arrives: it
+            meets an empty queue, whose clock is the counter of the session that left it
+            last (not the one that arrived last, nor the least)."""
             while len(self.ref):
                 self.op_pick(arg)
+            self.op_arrive(arg)
 
         def op_remove(self, arg):
             waiting = [r.request_id for r in self.ref.order()]
