@@ -381,7 +381,7 @@ def _property_machine():
     class Machine(Differential):
         submission: type
         OPS = ((5, "arrive"), (2, "peek"), (4, "pick"), (2, "remove"), (2, "busy"),
-               (1, "drain"))
+               (1, "drain"), (3, "picks"))
 
         def setup(self, arg) -> None:
             self.reqs = Twins()
@@ -527,7 +527,10 @@ def _property_machine():
             priority, arg = choose(CAPSTONE_PRIORITIES, arg)
             session, arg = choose(CAPSTONE_SESSIONS, arg)
             if waiting and mode in ("its own", "tie"):  # a waiting request's tier (and session)
+                # half the time the longest one waiting: the one a short-first order starves
+                longest, arg = choose((True, False), arg)
                 w, arg = choose(waiting, arg)
+                w = max(waiting, key=lambda r: r.prompt_len + r.max_tokens) if longest else w
                 priority = w.priority
                 session = w.session_id if mode == "its own" else session
             elif waiting and mode == "above":  # everyone waiting is below: tiers are tested
@@ -558,19 +561,32 @@ def _property_machine():
             self.steps[-1] = text
             self.check_observables()
 
-        def op_drain(self, arg):
-            """iter(p) now, then picks with nothing else in between: the same order."""
+        def op_drain(self, arg, some: int | None = None):
+            """iter(p) now, then picks with nothing else in between (all of them, or the
+            first `some`): the same order."""
             if not self.waiting:
                 return self.op_arrive(arg)
             listed = self.read(lambda: [self.rid(r) for r in self.sub])
-            self.steps.append(f"list(p) gives {listed}; then p.peek_next(), p.pick_next() until "
-                              "it is empty, nothing else in between")
+            n = len(listed) if isinstance(listed, list) else len(self.waiting)
+            n = n if some is None else min(n, some)
+            self.steps.append(f"list(p) gives {listed}; then p.peek_next(), p.pick_next() "
+                              + ("until it is empty" if some is None else f"{n} times")
+                              + ", nothing else in between")
             picks = []
-            while self.waiting and len(picks) <= len(listed if isinstance(listed, list) else []):
+            while self.waiting and len(picks) <= n - (some is not None):
                 picks.append(self._pick(quiet=True))
-            self.expect(picks == listed, "the picks that followed", f"the order list(p) gave: "
-                        f"{listed}", f"{picks}", CONTRACT7["iter_order"], _where7("__iter__"))
+            want = listed if some is None or not isinstance(listed, list) else listed[:n]
+            self.expect(picks == want, "the picks that followed", f"the order list(p) gave: "
+                        f"{want}", f"{picks}", CONTRACT7["iter_order"], _where7("__iter__"))
             self.check_observables()
+
+        def op_picks(self, arg):
+            """iter(p), then its first two to four picks: the queue goes on filling, so the
+            order beyond the head is checked on longer queues than a drain leaves."""
+            if len(self.waiting) < 3:
+                return self.op_arrive(arg)
+            some, arg = choose((2, 3, 4), arg)
+            self.op_drain(arg, some)
 
     return Machine
 

@@ -264,7 +264,7 @@ def _measure_machine():
             from ..sampling import SamplingParams
 
             self.SamplingParams = SamplingParams
-            batch, arg = choose((1, 1, 1, 2, 3), arg)
+            batch, arg = choose((1, 1, 2, 2, 3), arg)
             chunk, arg = choose((0, 1, 3, 4, 8, 16), arg)
             cache, _ = choose((False, True), arg)
             self.engine = tiny_engine(max_batch_size=batch, prefill_chunk_size=chunk,
@@ -272,11 +272,12 @@ def _measure_machine():
             self.account = Account(self.engine)
             self.steps.append(f"engine: max_batch_size={batch}, prefill_chunk_size={chunk}, "
                               f"prefix caching {'on' if cache else 'off'} (block_size 4)")
-            self.op_submit(arg >> 8)  # a first burst: requests that wait behind others
+            self.op_submit(arg >> 8, least=2)  # a first burst: requests that wait behind others
 
-        def op_submit(self, arg):
+        def op_submit(self, arg, least: int = 1):
             """One to three requests queued between two ticks (so some wait behind others)."""
             burst, arg = choose((1, 2, 3, 3), arg)
+            burst = max(burst, least)
             for _ in range(burst):
                 n, arg = choose((1, 3, 4, 8, 9, 17, 24), arg)
                 shared, arg = choose((False, True), arg)
@@ -334,7 +335,7 @@ def check_against_the_engine(next_chunk, measure, hidden) -> None:
         bind={"next_chunk": next_chunk}, examples=40, steps=10)
     run(_measure_machine(), hidden, "lab6/measure", piece="your measure",
         reference="the engine's own account of the run", where=WHERE,
-        bind={"measure": measure}, examples=20, steps=14, shrink_s=4.0)
+        bind={"measure": measure}, examples=24, steps=14, shrink_s=4.0)
 
 
 # what the graded cell defines and may use (allowlist.py; grading runs it alone)
