@@ -6,7 +6,10 @@ with all of it through `otter run`."""
 from __future__ import annotations
 
 import hashlib
+import importlib
+import os
 import re
+import sys
 
 import nbformat
 import pytest
@@ -239,3 +242,34 @@ def test_a_renamed_copy_of_the_engine_is_flagged_and_an_honest_answer_is_not():
     a = "def f(x: int) -> int:\n    '''doc'''\n    return [y * 2 for y in x if y]  # c\n"
     b = "def g(items):\n    return [item * 2 for item in items if item]\n"
     assert similarity.tokens(a) == similarity.tokens(b)
+
+
+def test_the_sequences_do_not_depend_on_what_else_the_process_imported(tmp_path, monkeypatch):
+    """Hypothesis now and then draws a literal of a "local" module the process has loaded;
+    grading keeps that pool empty, so one more module (here one full of numbers) imported
+    between two runs changes no sequence (make test's grading process imports every lab's
+    checks, a teacher's only one lab's; a wheel's minserve is not local, a checkout's is)."""
+    from minserve.labs import differential
+
+    drawn: list[list[int]] = []
+    apply = differential.Differential.apply
+    monkeypatch.setattr(differential.Differential, "apply",
+                        lambda self, code: drawn[-1].append(code) or apply(self, code))
+    src = next(m for m in CORPUS if m.lab == "lab1_fcfs" and m.name == "correct_heap")
+    env = labs_script.cell_env("lab1_fcfs", src.code)
+
+    def codes() -> list[int]:
+        drawn.append([])
+        differential.run(fcfs._machine(), Hidden(seed_of("same", "lab1_fcfs"), 0.2, False),
+                         "lab1/fcfs", piece="", reference="", where="", bind={"submission": env["FCFSLab"]})
+        return drawn[-1]
+
+    before = codes()
+    name = f"many_literals_{os.getpid()}"
+    (tmp_path / f"{name}.py").write_text(
+        "N = [" + ", ".join(str(7919 * k + 13) for k in range(40)) + "]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module(name)
+    del sys.modules[name]
+    monkeypatch.setitem(sys.modules, name, module)  # loaded while the checks run, then gone
+    assert len(before) > 100 and codes() == before
