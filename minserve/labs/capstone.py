@@ -604,7 +604,7 @@ def check_properties(cls, hidden) -> None:
 
     run(_property_machine(), hidden, "lab7/properties", piece="your MyPolicy",
         reference="the contract", where=WHERE, bind={"submission": cls}, examples=80, steps=24,
-        lead="breaks the policy contract")
+        lead="breaks the policy contract", least=40)  # make test's quarter: too few for lab 7
 
 
 def _provided() -> dict:

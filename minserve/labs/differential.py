@@ -392,9 +392,11 @@ def no_local_constants() -> Iterator[None]:
 
 def run(machine: type[Differential], hidden: Hidden, label: str, *, piece: str,
         reference: str, where: str, examples: int = 200, steps: int = 40,
-        shrink_s: float = 6.0, bind: dict | None = None, lead: str | None = None) -> None:
+        shrink_s: float = 6.0, bind: dict | None = None, lead: str | None = None,
+        least: int = 1) -> None:
     """Run `machine` on `hidden.examples(examples)` random sequences of up to `steps`
-    operations, drawn from the seed for `label`; `bind` sets class attributes of the
+    operations (at least `least` sequences whatever the scale), drawn from the seed for
+    `label`; `bind` sets class attributes of the
     machine (the submission's class or functions). Raises LabCheckFailed with the
     shortest failing sequence; the outcome is remembered in `hidden.memo`."""
     from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
@@ -412,7 +414,7 @@ def run(machine: type[Differential], hidden: Hidden, label: str, *, piece: str,
                                                 for k, v in (bind or {}).items()})
 
     @seed(hidden.seed_for(label))
-    @settings(max_examples=hidden.examples(examples), deadline=None, database=None,
+    @settings(max_examples=max(least, hidden.examples(examples)), deadline=None, database=None,
               phases=[Phase.generate, Phase.shrink] if hidden.shrink else [Phase.generate],
               verbosity=Verbosity.quiet,
               suppress_health_check=list(HealthCheck), print_blob=False)
