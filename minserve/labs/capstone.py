@@ -605,6 +605,81 @@ def check_properties(cls, hidden) -> None:
     run(_property_machine(), hidden, "lab7/properties", piece="your MyPolicy",
         reference="the contract", where=WHERE, bind={"submission": cls}, examples=80, steps=24,
         lead="breaks the policy contract", least=40)  # make test's quarter: too few for lab 7
+    rng = secret_rng(hidden.seed, "lab7/shapes")
+    _remove_before_the_head(cls, rng)
+    _tiers_through_a_long_wait(cls, rng)
+
+
+def _remove_before_the_head(cls, rng: random.Random, trials: int = 6) -> None:
+    """Two shapes the random sequences reach only by luck, in every grading, their sizes,
+    priorities and sessions drawn from the secret. This one: a request that arrived before
+    the head is removed between two peeks; the head is still the head (a peek that kept
+    the head's *position* in a list now points at its neighbour)."""
+    for trial in range(trials):
+        p = student(cls, name="MyPolicy()", where=WHERE)
+        n = rng.randint(4, 8)
+        sizes = rng.sample(range(2, 60), n)
+        sizes.sort(reverse=True)
+        small = sizes.pop()  # the smallest job, placed after at least one other
+        sizes.insert(rng.randint(1, n - 2), small)
+        priority = rng.choice((-3, -1, 0, 1, 2, 7))
+        first = rng.randint(0, 100)
+        waiting = [make_req(first + i, rng.choice(["ann", "ben", "cat"]),
+                            prompt=max(1, s // 2), out=max(1, s - s // 2), priority=priority)
+                   for i, s in enumerate(sizes)]
+        for r in waiting:
+            student(p.on_request_arrived, r, name="on_request_arrived", where=WHERE)
+        when = f"{n} requests of priority {priority} arrived (trial {trial + 1})"
+        head = _look(p, waiting, when)
+        at = next(i for i, r in enumerate(waiting) if r is head)
+        before = waiting[:at] or [r for r in waiting if r is not head]
+        victim = rng.choice(before)
+        _remove(p, waiting, victim, f"{when}, peek_next returned {head.request_id}")
+        again = student(p.peek_next, name="peek_next", where=WHERE)
+        listed = student(list, p, name="__iter__", where=WHERE)
+        if again is not (listed[0] if listed else None) or not any(r is again for r in waiting):
+            fail(f"{when}; peek_next returned {head.request_id}; then remove("
+                 f"{victim.request_id}), a request that is not the head; now peek_next "
+                 f"returns {_ids([again])[0] if again is not None else None} and iter() lists "
+                 f"{_ids(listed)[:4]}...: a head remembered as a position in a list moves "
+                 "when an earlier entry is removed; let every remove count at the next peek",
+                 _where("peek_next / __iter__"))
+        _look(p, waiting, f"{when}, after remove({victim.request_id})")
+
+
+def _tiers_through_a_long_wait(cls, rng: random.Random) -> None:
+    """The other: a backlog of one priority waits while a long busy period of
+    higher-priority requests is served, one arrival and one admission at a time; at every
+    peek the higher tier goes first (P1), however long the backlog has aged (a priority
+    that is only a large weight in one score is overtaken by aging after W / rate
+    admissions; the period is longer than a thousand)."""
+    p = student(cls, name="MyPolicy()", where=WHERE)
+    low = rng.choice((-2, -1, 0, 1))
+    high = low + rng.randint(1, 3)
+    seq = iter(range(rng.randint(0, 100), 100_000))
+    waiting = [make_req(next(seq), rng.choice(["ann", "ben"]), prompt=rng.randint(2, 40),
+                        out=rng.randint(1, 24), priority=low) for _ in range(rng.randint(2, 5))]
+    for r in waiting:
+        student(p.on_request_arrived, r, name="on_request_arrived", where=WHERE)
+    rounds = rng.randint(1100, 1400)
+    for k in range(rounds):
+        r = make_req(next(seq), rng.choice(["cat", "dan"]), prompt=rng.randint(1, 6),
+                     out=rng.randint(1, 3), priority=high)
+        student(p.on_request_arrived, r, name="on_request_arrived", where=WHERE)
+        waiting.append(r)
+        head = student(p.peek_next, name="peek_next", where=WHERE)
+        if head is None or head.priority != high or not any(w is head for w in waiting):
+            got = "None" if head is None else f"{head.request_id} (priority {head.priority})"
+            backlog = sum(w.priority == low for w in waiting)
+            fail(f"{backlog} requests of priority {low} waited while {k} "
+                 f"requests of priority {high} were admitted one by one; then one more of "
+                 f"priority {high} arrived and peek_next returned {got}: a higher priority "
+                 "always goes first (P1), however long the others have waited; make "
+                 "-priority the first element of your key (aging only within a tier)",
+                 _where("key"))
+        picked = _pick(p, waiting, f"admission {k + 1} of a busy period of priority {high}")
+        p.on_tokens_processed(picked, picked.prompt_len, picked.max_tokens)
+        p.on_request_finished(picked)
 
 
 def _provided() -> dict:
