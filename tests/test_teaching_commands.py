@@ -2,10 +2,11 @@
 
 * The grading command of "Hand out and grade" runs from a fresh shell, as written, at the
   root of a repository laid out as `make setup` and `make labs` leave it (its `.venv/`,
-  `scripts/`, `build/labs/`): the environment's own `otter` (a fresh shell has no
-  activated environment, so a bare `otter` is not found), with the grading shim on
-  PYTHONPATH, which is the fast way; the solution it grades scores full marks in
-  `results/results.json`, as the next line reads it.
+  `scripts/`, `build/labs/`), after the autograders were built with a secret (`make labs`
+  keeps it): the environment's own `otter` (a fresh shell has no activated environment,
+  so a bare `otter` is not found), with the grading shim on PYTHONPATH, which is the fast
+  way; the solution it grades scores full marks in `results/results.json`, as the next
+  line reads it, and the secret is in none of what it printed or wrote.
 * Every `otter run` the page shows is that same fast, environment-own command.
 * Every install route the page offers before telling you to run `jupyter lab` installs
   JupyterLab.
@@ -66,7 +67,10 @@ def test_the_grading_command_runs_from_a_fresh_shell_as_written(tmp_path):
     zip_glob = re.search(r"-a (\S+)", grade)[1]
     lab = Path(zip_glob).parts[2]
     [source] = [p for p in labs_script.lab_sources() if p.stem == lab]
-    built = labs_script.build(repo / "build" / "labs", labs=[source])[lab]
+    secret = "term-secret-Kq93"
+    labs_script.build(repo / "build" / "labs", labs=[source], secret=secret)  # build --secret
+    built = labs_script.build(repo / "build" / "labs", labs=[source])[lab]  # then `make labs`
+    assert labs_script.built_secret(built) == secret  # kept, not dropped silently
     submission = repo / re.findall(r"(\S+\.ipynb)", grade)[-1]
     submission.parent.mkdir(parents=True)
     shutil.copy(built / "autograder" / f"{lab}.ipynb", submission)  # the solution, handed in
@@ -79,6 +83,8 @@ def test_the_grading_command_runs_from_a_fresh_shell_as_written(tmp_path):
     scored = [t for t in results["tests"] if "max_score" in t]  # "Public Tests" is a summary
     assert scored and all(t["score"] == t["max_score"] > 0 for t in scored), results
     assert '"max_score"' in r.stdout  # and `cat results/results.json` showed them
+    written = [p.read_text(errors="replace") for p in (repo / "results").rglob("*") if p.is_file()]
+    assert not [o for o in [r.stdout, r.stderr, *written] if secret in o]
 
 
 def test_every_install_route_that_says_run_jupyter_lab_installs_jupyterlab():

@@ -9,6 +9,7 @@ from __future__ import annotations
 from ..engine import Engine
 from ..kv_cache import BlockManager, NoFreeBlocksError
 from ..sampling import SamplingParams
+from .allowlist import Cell
 from .common import drain, fail, secret_rng, stock_tokens, student, tiny_engine
 from .guard import guarded_check
 
@@ -143,38 +144,23 @@ def check_free_and_lru(cls) -> None:
              f"BlockManagerLab._take_block; {WHERE}")
 
 
-@guarded_check(20, reference, WHERE)
-def check_shared_free(cls) -> None:
-    """Blocks shared by two sequences: freeing one leaves them held (ref_count 1, neither free
-    nor cached) by the other; the pool's invariants hold after every free; freeing the
-    second makes the computed ones cached, and a third prompt reuses them."""
-    bm = _bm(cls, num_blocks=8, block_size=2)
-    prefix = [1, 2, 3, 4, 5, 6]  # 3 full blocks
-    _call(bm, "allocate_prompt", "a", prefix + [9])
-    bm.mark_computed("a", prefix + [9], 7)
-    _call(bm, "allocate_prompt", "b", prefix + [8])
-    shared = bm.block_table("a")[:3]
-    _call(bm, "free", "a")
-    invariants(bm, "free('a') while b shares its first 3 blocks")
-    if [bm.blocks[i].ref_count for i in shared] != [1, 1, 1]:
-        fail(f"after free('a') the blocks {shared} that b still uses have ref counts "
-             f"{[bm.blocks[i].ref_count for i in shared]}, expected [1, 1, 1]: a block goes "
-             "back (free or cached) only when its ref_count reaches 0",
-             f"BlockManagerLab.free; {WHERE}")
-    _call(bm, "free", "b")
-    invariants(bm, "free('b')")
-    if _call(bm, "allocate_prompt", "c", prefix + [7]) != 6:
-        fail("after a and b were freed, a prompt with their 6-token prefix should reuse the 3 "
-             "cached blocks (their hashes are kept at ref_count 0)", f"BlockManagerLab.free; {WHERE}")
-    invariants(bm, "allocate_prompt('c') on cached blocks")
-
-
 SYSTEM = list(range(40, 72))  # a 32-token system prompt: 2 blocks of 16
-# five requests whose 17-token questions fill a third block of their own, in a pool of 7
-# blocks: finished requests leave cached blocks, and later ones must evict some (2 with
-# minserve's BlockManager; a pool of 8 evicts none)
-EVICTING = {"questions": tuple(tuple(range(100 + 20 * k, 117 + 20 * k)) for k in range(5)),
-            "max_tokens": 4, "num_blocks": 7, "min_evictions": 1}
+
+
+def hidden_workload(hidden, evicting: bool = False) -> dict:
+    """check_in_engine's arguments drawn from the instructor's secret: questions after the
+    shared system prompt; `evicting`: four to six questions of 17-19 tokens (a full block of
+    their own each) in a pool of 7 blocks, where finished requests leave cached blocks and
+    later ones must evict some (a pool of 8 would evict none)."""
+    rng = secret_rng(hidden.seed, f"lab5/engine/{evicting}")
+    n = rng.randint(4, 6)
+    if evicting:
+        questions = tuple(tuple(range(100 + 20 * k, 100 + 20 * k + rng.randint(17, 19)))
+                          for k in range(n))
+        return {"questions": questions, "max_tokens": rng.randint(2, 4), "num_blocks": 7,
+                "min_evictions": 1}
+    questions = tuple(tuple(range(1 + 10 * k, 1 + 10 * k + rng.randint(1, 6))) for k in range(n))
+    return {"questions": questions, "max_tokens": rng.randint(2, 5)}
 
 
 @guarded_check(60, reference, WHERE)
@@ -209,48 +195,287 @@ def check_in_engine(cls, questions=((1, 2, 3), (4, 5), (6, 7, 8, 9), (10,)), max
     return stats
 
 
-@guarded_check(20, reference, WHERE)
-def check_chain_with_gap(cls, secret: str | int = 0) -> None:
-    """A cached chain with a gap: one of its blocks was evicted (the head, or one in the
-    middle) while later ones are still cached. The walk stops at the first missing block:
-    a later block's KV was computed after the missing one, which is gone, so reusing it
-    would pair it with new KV for the gap (and a `continue` there hands out blocks out of
-    order). Sizes and the gap are drawn from the instructor's secret."""
-    rng = secret_rng(secret, "lab5/gap")
-    size, k = rng.choice([2, 3, 4]), rng.randint(3, 6)
-    bm = _bm(cls, num_blocks=k + 6, block_size=size)
-    start = rng.randint(1, 150)
-    prompt = list(range(start, start + k * size + 1))  # k full blocks + 1 token
-    _call(bm, "allocate_prompt", "a", prompt)
-    bm.mark_computed("a", prompt, len(prompt))
-    table = bm.block_table("a")
-    _call(bm, "free", "a")
-    invariants(bm, "free('a')")
-    gap = rng.randint(0, k - 2)  # block `gap` evicted; a later one stays cached
-    block = bm.blocks[table[gap]]
-    del bm._evictable[block.block_id], bm._hash_to_block[block.block_hash]
-    block.block_hash, block.num_tokens = None, 0
-    bm._free.append(block.block_id)  # what an eviction of that one block leaves
-    hit = _call(bm, "cached_prefix_len", prompt)
-    if hit != gap * size:
-        fail(f"a's {k} full blocks of {size} tokens were cached, then block {gap} of its chain "
-             f"was evicted (blocks {gap + 1}..{k - 1} are still cached); the same prompt "
-             f"reuses {hit} tokens, expected {gap * size} (the blocks before the gap): stop "
-             "the walk at the first block that is not cached (break, not continue); a later "
-             "block is only valid after its whole chain", f"BlockManagerLab._cached_blocks; {WHERE}")
-    got = _call(bm, "allocate_prompt", "b", prompt)
-    invariants(bm, "allocate_prompt('b') on a chain with a gap")
-    if got != gap * size or bm.block_table("b")[:gap] != table[:gap]:
-        fail(f"allocate_prompt('b') on the chain with a gap at block {gap} reused {got} tokens "
-             f"(table {bm.block_table('b')}), expected the {gap} blocks before the gap "
-             f"{table[:gap]}", f"BlockManagerLab._cached_blocks; {WHERE}")
+# ------------------------------------------------------------------ hidden: against the engine
+CONTRACT = {
+    "init": "BlockManagerLab(num_blocks, block_size, True) starts with every block free.",
+    "allocate": "allocate_prompt(seq, tokens) shares the longest cached prefix of whole, "
+                "computed blocks (the chained-hash walk, stopping at the first miss, never "
+                "the block holding the last token: K2), takes new blocks for the rest (the "
+                "free list's first id, else the least recently used cached block), and "
+                "returns the cached token count; NoFreeBlocksError, changing nothing, when "
+                "the pool is too small.",
+    "computed": "mark_computed(seq, tokens, n) publishes the full computed blocks (K3).",
+    "grow": "append_slots(seq, n) grows the table with new blocks (free first, else the least "
+            "recently used cached one); NoFreeBlocksError when none is left.",
+    "free": "free(seq) drops seq: every per-sequence entry (_tables, _seq_len, _seq_hashes, "
+            "_seq_salt) goes; ref_count - 1 per block, back to front; a block at 0 becomes "
+            "cached (hashed, newest in the LRU order) or free (appended to the free list). "
+            "An unknown id is ignored.",
+    "query": "cached_prefix_len / blocks_needed / _cached_blocks only read: the longest "
+             "cached prefix, by the chained-hash walk stopping at the first miss (whole "
+             "blocks, at most (len - 1) // block_size of them).",
+    "take": "_take_block() with nothing free and nothing cached raises NoFreeBlocksError.",
+    "state": "every block is in exactly one of free / cached / used, with the ref counts, "
+             "hashes and token counts the engine's BlockManager gives it; the free list is "
+             "a queue (taken from the left, given back on the right), the cached ones are "
+             "in LRU order.",
+}
 
 
-def check_units(cls, secret: str | int = 0) -> None:
-    """Every unit check, public and hidden (a chain with a gap, from the instructor's
-    secret): what each hidden test runs first, so a test that cannot see a bug in a
-    method gives no credit for it."""
-    check_prefix_reuse(cls)
-    check_free_and_lru(cls)
-    check_shared_free(cls)
-    check_chain_with_gap(cls, secret)
+def _where5(method: str) -> str:
+    return f"BlockManagerLab.{method}; {WHERE}"
+
+
+def _state(bm) -> dict:
+    """What a block manager's state is, as plain data (the submission's is read the same)."""
+    blocks = [(b.ref_count, b.block_hash,
+               b.num_tokens if b.ref_count or b.block_hash is not None else "-")
+              for b in bm.blocks]
+    per_seq = {name: sorted(getattr(bm, name)) for name in
+               ("_tables", "_seq_len", "_seq_hashes", "_seq_salt")}
+    return {"blocks (ref_count, hash, num_tokens)": blocks,
+            "block tables": {s: list(t) for s, t in sorted(bm._tables.items())},
+            "per-sequence entries": per_seq,
+            "free list": list(bm._free), "cached, LRU first": list(bm._evictable),
+            "hash table": sorted(bm._hash_to_block.items()),
+            "counters (evictions, hit tokens, query tokens)":
+                (bm.evictions, bm.prefix_hit_tokens, bm.prefix_query_tokens)}
+
+
+def _machine():
+    from .differential import Differential, choose
+
+    class Machine(Differential):
+        submission: type
+        OPS = ((4, "allocate"), (3, "computed"), (2, "grow"), (4, "free"), (3, "query"),
+               (1, "take"), (2, "share"), (2, "side_by_side"))
+
+        def setup(self, arg) -> None:
+            self.num_blocks, arg = choose((3, 4, 6, 8, 8, 10), arg)
+            self.size, arg = choose((1, 2, 2, 3, 4), arg)
+            # block-sized chunks that prompts are made of, so that prefixes repeat
+            self.chunks = [[100 + 10 * c + t for t in range(self.size)] for c in range(3)]
+            self.tokens: dict[str, list[int]] = {}
+            self.prompts: list[list[int]] = []  # every prompt allocated: queries reuse them
+            self.fresh = 500  # tokens no chunk uses: prompts that share nothing
+            self.n = 0
+            args = (self.num_blocks, self.size, True)
+            self.ref = self.sub = None
+            self.ref, self.sub = self.call(
+                f"bm = BlockManagerLab(num_blocks={self.num_blocks}, block_size={self.size}, "
+                "enable_prefix_caching=True)", lambda: BlockManager(*args),
+                lambda: self.submission(*args), sentence=CONTRACT["init"],
+                where=_where5("__init__"))
+
+        def observe(self):
+            if self.sub is None:
+                return []
+            ref, sub = _state(self.ref), self.read(lambda: _state(self.sub))
+            if isinstance(sub, str):
+                return [("its state", "readable", sub, CONTRACT["state"], WHERE)]
+            seen = [(name, ref[name], sub[name], CONTRACT["state"], WHERE) for name in ref]
+            return seen + [("check_invariants()", "passes", self.read(
+                lambda: self.sub.check_invariants() or "passes"), CONTRACT["state"], WHERE)]
+
+        def _prompt(self, arg) -> tuple[list[int], int]:
+            """A prompt of whole chunks (0-4 of them, from 3: prefixes repeat) and a tail;
+            or exactly as many blocks as are free now (an exactly full pool); or one block
+            more than the free list holds, of tokens no chunk uses (it evicts the least
+            recently used cached block, and only it)."""
+            kind, arg = choose(("chunks", "chunks", "chunks", "full", "evict one"), arg)
+            k, arg = choose((0, 1, 2, 2, 3, 4), arg)
+            tail, arg = choose((0, 1, self.size - 1), arg)
+            if kind == "full":
+                k, tail = self.ref.num_free_blocks(), 0
+            if kind == "evict one" and self.ref._evictable:
+                n = (len(self.ref._free) + 1) * self.size
+                self.fresh += n
+                return list(range(self.fresh - n, self.fresh)), arg
+            tokens = []
+            for _ in range(k):
+                c, arg = choose(self.chunks, arg)
+                tokens += c
+            tokens += [7 + t for t in range(tail)]
+            return tokens or [7], arg
+
+        def _seq(self, arg, new: bool) -> tuple[str, int]:
+            known = sorted(self.tokens)
+            if new or not known:
+                self.n += 1
+                return f"s{self.n}", arg
+            return choose(known, arg)
+
+        def _both(self, text, method, *args, sentence, where, canon=None):
+            return self.call(text, lambda: getattr(self.ref, method)(*args),
+                             lambda: getattr(self.sub, method)(*args),
+                             ref_canon=canon or (lambda v: v), sentence=sentence,
+                             where=where)
+
+        def op_allocate(self, arg):
+            again, arg = choose((False, False, False, False, True), arg)
+            seq, arg = self._seq(arg, new=not again)
+            tokens, _ = self._prompt(arg)
+            ref, _ = self._both(f"bm.allocate_prompt({seq!r}, {tokens})", "allocate_prompt",
+                                seq, tokens, sentence=CONTRACT["allocate"],
+                                where=_where5("_cached_blocks / _take_block"))
+            if self.ref.has_seq(seq) and seq not in self.tokens:
+                self.tokens[seq] = tokens
+                self.prompts.append(tokens)
+
+        def op_computed(self, arg):
+            if not self.tokens:
+                return self.op_allocate(arg)
+            seq, arg = self._seq(arg, new=False)
+            tokens = self.tokens[seq]
+            n, _ = choose((len(tokens), len(tokens), len(tokens) // 2), arg)
+            self._both(f"bm.mark_computed({seq!r}, {tokens}, {n})", "mark_computed", seq, tokens,
+                       n, sentence=CONTRACT["computed"], where=_where5("_take_block / free"))
+
+        def op_grow(self, arg):
+            if not self.tokens:
+                return self.op_allocate(arg)
+            seq, arg = self._seq(arg, new=False)
+            extra, _ = choose((1, 1, self.size, 2 * self.size + 1), arg)
+            n = self.ref._seq_len[seq] + extra
+            self._both(f"bm.append_slots({seq!r}, {n})", "append_slots", seq, n,
+                       sentence=CONTRACT["grow"], where=_where5("_take_block"))
+
+        def op_free(self, arg):
+            unknown, arg = choose((False, False, False, True), arg)
+            if unknown or not self.tokens:
+                seq = choose(("nobody", f"s{self.n + 1}", "s0"), arg)[0]
+            else:
+                seq, _ = self._seq(arg, new=False)
+                del self.tokens[seq]
+            self._both(f"bm.free({seq!r})" + ("  # an id it does not hold" if unknown else ""),
+                       "free", seq, sentence=CONTRACT["free"], where=_where5("free"))
+
+        def op_query(self, arg):
+            method, arg = choose(("cached_prefix_len", "blocks_needed", "_cached_blocks"), arg)
+            again, arg = choose((True, False), arg)
+            tokens, _ = choose(self.prompts, arg) if again and self.prompts else self._prompt(arg)
+            self._both(f"bm.{method}({tokens})", method, tokens, sentence=CONTRACT["query"],
+                       where=_where5("_cached_blocks"))
+
+        def op_side_by_side(self, arg):
+            """Two prompts with the same new prefix admitted in the same tick, computed one
+            after the other (the second one's copy of the prefix stays private, its next
+            block is registered: K3), then freed shorter first. Later evictions can then
+            leave a chain with a gap: a block cached after one that is not."""
+            k, arg = choose((1, 2), arg)
+            extra, arg = choose(self.chunks, arg)
+            self.fresh += k * self.size
+            prefix = list(range(self.fresh - k * self.size, self.fresh))
+            short, long = prefix + [7], prefix + extra + [8]
+            ids = []
+            for tokens in (short, long):
+                self.n += 1
+                seq = f"s{self.n}"
+                self._both(f"bm.allocate_prompt({seq!r}, {tokens})", "allocate_prompt", seq,
+                           tokens, sentence=CONTRACT["allocate"],
+                           where=_where5("_cached_blocks / _take_block"))
+                if not self.ref.has_seq(seq):
+                    return
+                self.tokens[seq] = tokens
+                self.prompts.append(tokens)
+                ids.append(seq)
+            for seq in ids:
+                tokens = self.tokens[seq]
+                self._both(f"bm.mark_computed({seq!r}, {tokens}, {len(tokens)})", "mark_computed",
+                           seq, tokens, len(tokens), sentence=CONTRACT["computed"],
+                           where=_where5("_take_block / free"))
+            last_prefix = self.ref.block_table(ids[0])[k - 1]  # the short one's: registered
+            for seq in ids:
+                del self.tokens[seq]
+                self._both(f"bm.free({seq!r})", "free", seq, sentence=CONTRACT["free"],
+                           where=_where5("free"))
+            # evict every cached block up to that one (the LRU order): the long prompt's next
+            # block, registered by the long one, stays cached after the gap
+            order = list(self.ref._evictable)
+            if last_prefix not in order:
+                return
+            blocks = len(self.ref._free) + order.index(last_prefix) + 1
+            if blocks > self.ref.num_free_blocks():
+                return
+            self.fresh += blocks * self.size
+            self.n += 1
+            seq = f"s{self.n}"
+            tokens = list(range(self.fresh - blocks * self.size, self.fresh))
+            self._both(f"bm.allocate_prompt({seq!r}, {tokens})  # evicts the oldest cached",
+                       "allocate_prompt", seq, tokens, sentence=CONTRACT["allocate"],
+                       where=_where5("_take_block"))
+            if self.ref.has_seq(seq):
+                self.tokens[seq] = tokens
+            for method in ("_cached_blocks", "cached_prefix_len"):
+                self._both(f"bm.{method}({long})", method, long, sentence=CONTRACT["query"],
+                           where=_where5("_cached_blocks"))
+
+        def op_share(self, arg):
+            """A computed prompt, then another with its prefix (shared blocks, ref counts 2),
+            then one of the two freed."""
+            k, arg = choose((1, 1, 2), arg)
+            tokens = []
+            for _ in range(k):
+                c, arg = choose(self.chunks, arg)
+                tokens += c
+            tail, arg = choose(self.chunks, arg)
+            first, arg = choose((True, False), arg)
+            seqs = []
+            for t in (tokens + [7], tokens + tail + [9]):
+                self.n += 1
+                seq = f"s{self.n}"
+                self._both(f"bm.allocate_prompt({seq!r}, {t})", "allocate_prompt", seq, t,
+                           sentence=CONTRACT["allocate"],
+                           where=_where5("_cached_blocks / _take_block"))
+                if not self.ref.has_seq(seq):
+                    return
+                self.tokens[seq] = t
+                self.prompts.append(t)
+                seqs.append(seq)
+                if len(seqs) == 1:
+                    self._both(f"bm.mark_computed({seq!r}, {t}, {len(t)})", "mark_computed", seq,
+                               t, len(t), sentence=CONTRACT["computed"],
+                               where=_where5("_take_block / free"))
+            seq = seqs[0] if first else seqs[1]
+            del self.tokens[seq]
+            self._both(f"bm.free({seq!r})", "free", seq, sentence=CONTRACT["free"],
+                       where=_where5("free"))
+
+        def op_take(self, arg):
+            if self.ref.num_free_blocks():  # only where no caller would reach it
+                return self.op_allocate(arg)
+            self._both("bm._take_block()  # nothing free, nothing cached", "_take_block",
+                       sentence=CONTRACT["take"], where=_where5("_take_block"),
+                       canon=lambda b: b.block_id)
+
+    return Machine
+
+
+@guarded_check(60, reference, WHERE)
+def check_against_the_engine(cls, hidden) -> None:
+    """Hidden: BlockManagerLab beside the engine's BlockManager on random sequences drawn
+    from the instructor's secret: allocations of prompts made of repeating chunks (shared
+    prefixes, exactly full pools, an id allocated twice), mark_computed, append_slots,
+    frees (unknown ids too), read-only queries, a _take_block with nothing left. After
+    every step: what each call returned or raised, every block's state, the tables, the
+    free list and the LRU order, the per-sequence entries, the counters."""
+    from .differential import run
+
+    check_defines(cls)
+    run(_machine(), hidden, "lab5/blocks", piece="your BlockManagerLab",
+        reference="the engine's BlockManager", where=WHERE, bind={"submission": cls},
+        examples=120, steps=30)
+
+
+def _provided() -> dict:
+    from ..kv_cache import Block, hash_block
+
+    return {"Block": Block, "BlockManager": BlockManager, "NoFreeBlocksError": NoFreeBlocksError,
+            "hash_block": hash_block}
+
+
+# what the graded cell defines and may use (allowlist.py; grading runs it alone)
+CELL = Cell(names=("BlockManagerLab",), provided=_provided,
+            imports={"minserve.kv_cache": frozenset({"Block", "BlockManager",
+                                                     "NoFreeBlocksError", "hash_block"})},
+            reference=("BlockManager", frozenset(GRADED)))

@@ -29,9 +29,27 @@ PACKAGE = Path(__file__).resolve().parents[1]  # .../minserve: the engine's own 
 class LabCheckFailed(AssertionError):
     """A lab check failed. The message says what is wrong and where to look."""
 
+    def _render_traceback_(self) -> list[str]:
+        """What Jupyter shows for it (IPython's hook for exceptions that render themselves):
+        the message alone, not a wall of frames through the checks, when a cell that runs a
+        check (a demo cell after a failed one) raises it."""
+        return [f"LabCheckFailed: {self}"]
+
 
 def fail(what: str, where: str) -> NoReturn:
     raise LabCheckFailed(f"{what}\n    where to look: {where}")
+
+
+# ------------------------------------------------------------------ the labs
+LABS = {"lab1_fcfs": "fcfs", "lab2_gates": "gates", "lab3_vtc": "vtc", "lab4_padded": "padded",
+        "lab5_blocks": "blocks", "lab6_chunked": "chunked", "lab7_capstone": "capstone"}
+
+
+def lab_module(lab: str):
+    """A lab's module of checks (its CELL, its reference, its hidden checks)."""
+    import importlib
+
+    return importlib.import_module(f"minserve.labs.{LABS[lab]}")
 
 
 # ------------------------------------------------------------------ the instructor's secret

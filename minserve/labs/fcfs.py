@@ -13,6 +13,7 @@ import random
 from ..engine import Engine
 from ..policies import FCFSPolicy, Policy
 from ..sampling import SamplingParams
+from .allowlist import Cell
 from .common import (
     admission_order,
     drain,
@@ -122,8 +123,16 @@ def check_hooks(cls, seed: int = 0, n: int = 8) -> None:
     if got != [r.request_id for r in expect] or len(policy):
         fail(f"the queue drained as {got}, expected {[r.request_id for r in expect]}",
              f"FCFSLab.peek_next / on_request_arrived; {WHERE}")
-    if policy.peek_next() is not None:
-        fail("peek_next on an empty queue should return None", f"FCFSLab.peek_next; {WHERE}")
+    try:
+        last = policy.peek_next()
+    except Exception as e:  # noqa: BLE001 - named with its input below
+        fail(f"peek_next() on the empty queue (after all {n} requests were picked) raised "
+             f"{type(e).__name__}: {e}; it should return None when nothing waits",
+             f"FCFSLab.peek_next; {WHERE}")
+    if last is not None:
+        fail(f"peek_next() on the empty queue (after all {n} requests were picked) returned "
+             f"{getattr(last, 'request_id', last)!r}; it should return None",
+             f"FCFSLab.peek_next; {WHERE}")
 
 
 # prompt, max_tokens, priority: a batch of 2 rows, so the order of admission shows
@@ -156,3 +165,160 @@ def check_in_engine(cls, plan=ENGINE_PLAN, max_batch_size: int = 2) -> list[str]
             fail(f"{h.request_id} got tokens {h.output.token_ids}, a stock engine gives {want}: "
                  "the policy must only order requests, never change or drop them", WHERE)
     return order
+
+
+# ------------------------------------------------------------------ hidden: against the engine
+PRIORITIES = (-7, -2, -1, 0, 0, 0, 1, 1, 2, 3, 5, 40)  # any sign, ties and gaps
+CONTRACT = {
+    "init": "FCFSLab() makes an empty queue.",
+    "arrive": "on_request_arrived(req) puts req in the queue by key: a higher priority "
+              "first, then the earlier arrival_seq.",
+    "again": "a preempted request comes back through on_request_preempted, which (Policy's "
+             "default) is an arrival again, with its own arrival_seq: it goes back to its "
+             "place by key, ahead of everything of its priority that arrived after it.",
+    "peek": "peek_next() returns the head, the waiting request the key puts first (None "
+            "when nothing waits), and changes nothing; every arrival counts at the next peek.",
+    "pick": "pick_next() removes and returns the head that peek_next() just returned.",
+    "remove": "remove(req) takes exactly that waiting request out.",
+    "quiet": "on_tokens_processed and on_request_finished change nothing in FCFS's queue.",
+    "len": "len(policy) is the number of requests waiting.",
+    "iter": "iter(policy) lists the waiting requests in admission order: by priority, the "
+            "highest first, then by arrival_seq.",
+    "same": "a policy orders requests; it never changes them.",
+}
+
+
+def _where_hook(hook: str) -> str:
+    return f"FCFSLab.{hook}; {WHERE}"
+
+
+def _describe(req) -> str:
+    return f"{req.request_id} (priority {req.priority}, arrival_seq {req.arrival_seq})"
+
+
+def _machine():
+    """The differential machine for FCFSLab against FCFSPolicy (built on first use, so
+    that importing this module does not import Hypothesis)."""
+    from .differential import Differential, Twins, choose
+
+    class Machine(Differential):
+        submission: type
+        OPS = ((4, "arrive"), (2, "peek"), (3, "pick"), (1, "again"), (1, "remove"),
+               (1, "finish"))
+
+        def setup(self, arg) -> None:
+            self.reqs = Twins()
+            self.ref = self.sub = None
+            self.seq = 0
+            self.out: list[str] = []  # picked: they may come back (preempted) or finish
+            self.ref, self.sub = self.call("p = FCFSLab()", FCFSPolicy, self.submission,
+                                           sentence=CONTRACT["init"],
+                                           where=_where_hook("__init__"))
+
+        def observe(self):
+            if self.sub is None:
+                return []
+            return [
+                ("len(p)", len(self.ref), self.read(lambda: len(self.sub)), CONTRACT["len"],
+                 _where_hook("__len__")),
+                ("list(p) (request ids in order)", [r.request_id for r in self.ref],
+                 self.read(lambda: [self.reqs.sub_id(r) for r in self.sub]), CONTRACT["iter"],
+                 _where_hook("on_request_arrived / __iter__")),
+                ("requests whose fields changed", [], self.reqs.changed(), CONTRACT["same"],
+                 "FCFSLab; " + WHERE),
+            ]
+
+        def _hook(self, text, hook, rid, *args, sentence):
+            ref, sub = self.reqs.ref[rid], self.reqs.sub[rid]
+            self.call(text, lambda: getattr(self.ref, hook)(ref, *args),
+                      lambda: getattr(self.sub, hook)(sub, *args), sentence=sentence,
+                      where=_where_hook(hook))
+
+        def op_arrive(self, arg):
+            waiting = [r.priority for r in self.ref]
+            tie, arg = choose((True, True, False, False, False), arg)
+            priority, arg = choose(waiting if tie and waiting else PRIORITIES, arg)
+            gap, _ = choose((1, 1, 1, 2, 9), arg)
+            self.seq += gap
+            rid = self.reqs.add(self.seq, priority=priority)
+            self._hook(f"p.on_request_arrived({_describe(self.reqs.ref[rid])})",
+                       "on_request_arrived", rid, sentence=CONTRACT["arrive"])
+
+        def op_again(self, arg):
+            if not self.out:
+                return self.op_arrive(arg)
+            rid, _ = choose(self.out, arg)
+            self.out.remove(rid)
+            self._hook(f"p.on_request_preempted({_describe(self.reqs.ref[rid])})  "
+                       "# it was running: back to wait", "on_request_preempted", rid,
+                       sentence=CONTRACT["again"])
+
+        def op_peek(self, arg):
+            self.call("p.peek_next()", self.ref.peek_next, self.sub.peek_next,
+                      ref_canon=self.reqs.ref_id, sub_canon=self.reqs.sub_id,
+                      sentence=CONTRACT["peek"], where=_where_hook("peek_next"))
+
+        def op_pick(self, arg):
+            if not len(self.ref):
+                return self.op_peek(arg)
+            self.op_peek(arg)  # the scheduler always peeks first (G4)
+            got, _ = self.call("p.pick_next()", self.ref.pick_next, self.sub.pick_next,
+                               ref_canon=self.reqs.ref_id, sub_canon=self.reqs.sub_id,
+                               sentence=CONTRACT["pick"], where=_where_hook("pick_next"))
+            self.out.append(got.request_id)
+
+        def op_remove(self, arg):
+            waiting = [r.request_id for r in self.ref]
+            if not waiting:
+                return self.op_arrive(arg)
+            rid, _ = choose(waiting, arg)
+            self._hook(f"p.remove({rid})", "remove", rid, sentence=CONTRACT["remove"])
+
+        def op_finish(self, arg):
+            if not self.out:
+                return self.op_peek(arg)
+            rid, arg = choose(self.out, arg)
+            if arg % 2:
+                self.out.remove(rid)
+                self._hook(f"p.on_request_finished({rid})", "on_request_finished", rid,
+                           sentence=CONTRACT["quiet"])
+            else:
+                self._hook(f"p.on_tokens_processed({rid}, 4, 1)", "on_tokens_processed", rid,
+                           4, 1, sentence=CONTRACT["quiet"])
+
+    return Machine
+
+
+@guarded_check(60, reference, WHERE)
+def check_against_the_engine(cls, hidden) -> None:
+    """Hidden: FCFSLab beside the engine's FCFSPolicy on random sequences of arrivals
+    (priorities of any sign, ties, gaps in arrival_seq), peeks between them, picks,
+    removes, preempted requests coming back and finishes, drawn from the instructor's
+    secret: every return and every observable (len, the order) the same after every step."""
+    from .differential import run
+
+    run(_machine(), hidden, "lab1/fcfs", piece="your FCFSLab",
+        reference="the engine's FCFSPolicy", where=WHERE, bind={"submission": cls},
+        examples=120, steps=30)
+
+
+def _provided() -> dict:
+    from ..request import Request
+
+    return {"Policy": Policy, "Request": Request}
+
+
+# what the graded cell defines and may use (allowlist.py; grading runs it alone)
+CELL = Cell(names=("FCFSLab",), provided=_provided,
+            imports={"minserve.policies": frozenset({"Policy"}),
+                     "minserve.request": frozenset({"Request"})})
+
+
+def hidden_plan(hidden, n: int = 7) -> list:
+    """An engine plan (prompt, max_tokens, priority) drawn from the instructor's secret:
+    priorities of both signs, ties and gaps, for check_in_engine's hidden run."""
+    from .common import secret_rng
+
+    rng = secret_rng(hidden.seed, "lab1/plan")
+    return [(list(range(5 * i + 1, 5 * i + rng.randint(3, 9))), rng.randint(1, 4),
+             rng.choice([-3, -1, 0, 0, 1, 2, 5])) for i in range(n)]

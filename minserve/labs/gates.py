@@ -10,7 +10,8 @@ from .. import gates as core_gates
 from ..engine import Engine
 from ..request import Rejection
 from ..sampling import SamplingParams
-from .common import drain, fail, secret_rng, student, tiny_engine
+from .allowlist import Cell
+from .common import drain, fail, secret_rng, show, student, tiny_engine
 from .guard import guarded_check
 
 WHERE = "the gate table in docs/gates.md (G1-G6) and notebook 05_backpressure_gates.ipynb"
@@ -91,27 +92,6 @@ def check_g3(fn) -> None:
     _verdict(fn, name, {"blocks_needed": 2, "free_blocks": 2, "prompt_blocks": 3, "num_blocks": 6}, None)
 
 
-@guarded_check(20, reference, WHERE)
-def check_boundaries(g1, g2, g3) -> None:
-    """Exactly full is not over: a request that needs the whole budget fits an empty engine
-    (need == budget), one that fills the reservation to the last token is admitted
-    (reserved + need == budget), and a prompt of exactly the pool's blocks fits an empty
-    pool (prompt_blocks == num_blocks). `>=` where the gate table says `>` refuses or
-    holds requests that fit."""
-    _verdict(g1, "check_queue_capacity", {"pending": 4, "max_queue_size": 5}, None)
-    name = "check_kv_budget"
-    _verdict(g2, name, {"need": 40, "reserved": 0, "budget": 40}, None)
-    _verdict(g2, name, {"need": 40, "reserved": 1, "budget": 40}, ("G2", "kv_budget", False))
-    _verdict(g2, name, {"need": 15, "reserved": 25, "budget": 40}, None)
-    _verdict(g2, name, {"need": 16, "reserved": 25, "budget": 40}, ("G2", "kv_budget", False))
-    name = "check_block_pool"
-    _verdict(g3, name, {"blocks_needed": 6, "free_blocks": 6, "prompt_blocks": 6, "num_blocks": 6}, None)
-    _verdict(g3, name, {"blocks_needed": 6, "free_blocks": 5, "prompt_blocks": 6, "num_blocks": 6},
-             ("G3", "block_pool", False))
-    _verdict(g3, name, {"blocks_needed": 7, "free_blocks": 6, "prompt_blocks": 7, "num_blocks": 6},
-             ("G3", "prompt_exceeds_block_pool", True))
-
-
 @guarded_check(60, reference, WHERE)
 def gate_story(g1, g2, g3, budget: int = 40, sizes=((12, 8), (10, 6), (6, 4), (40, 10))) -> list[dict]:
     """docs/gates.md's G2 story in a real engine with the student's gates: requests of
@@ -157,68 +137,139 @@ def check_story(handles, events, budget: int, sizes) -> list[dict]:
     return events
 
 
+# ------------------------------------------------------------------ hidden: against the engine
+CONTRACT = {
+    "check_queue_capacity": "G1 refuses (hard, queue_full) when pending >= max_queue_size, "
+                            "however far beyond it pending already is (preempted rows come "
+                            "back to pending without passing G1); else it passes (None).",
+    "check_kv_budget": "G2 refuses (hard, kv_budget_exceeded) when need > budget: it can never "
+                       "fit; else holds (soft, kv_budget) when reserved + need > budget; else "
+                       "passes (None). Exactly full (reserved + need == budget) passes.",
+    "check_block_pool": "G3 refuses (hard, prompt_exceeds_block_pool) when prompt_blocks > "
+                        "num_blocks; else holds (soft, block_pool) when blocks_needed > "
+                        "free_blocks; else passes (None). Exactly full passes.",
+    "numbers": "a rejection carries a message and the numbers that decided it, under the "
+               "names of the gate's own arguments (G6).",
+}
+
+
+def _lab_verdict(args: dict):
+    """canon of a gate's answer under the lab's contract: None, or (gate, reason, hard,
+    whether its numbers hold the call's inputs and it has a message). Field types are
+    checked exactly: a look-alike answer is named for what it is."""
+    from .differential import WrongKind
+
+    def canon(got):
+        if got is None:
+            return None
+        if not isinstance(got, Rejection):
+            raise WrongKind(f"{show(got)}, which is neither None nor a Rejection")
+        fields = (got.gate, got.reason, got.hard)
+        if not (type(got.gate) is str and type(got.reason) is str and type(got.hard) is bool):
+            raise WrongKind(f"a Rejection whose gate, reason, hard are {fields!r}")
+        numbers = got.numbers if type(got.numbers) is dict else {}
+        missing = sorted(k for k, v in args.items() if numbers.get(k) != v)
+        said = "numbers hold the inputs" if not missing else f"numbers lack {missing}"
+        message = "with a message" if type(got.message) is str and got.message else "no message"
+        return (*fields, said, message)
+
+    return canon
+
+
+def _engine_verdict(got):
+    """The engine's answer in the lab's terms (its numbers use the engine's own names)."""
+    if got is None:
+        return None
+    return (got.gate, got.reason, got.hard, "numbers hold the inputs", "with a message")
+
+
+def _near(base: int, arg: int) -> tuple[int, int]:
+    """A number at, just below, just above or far from `base` (never negative)."""
+    from .differential import choose
+
+    d, arg = choose((0, 0, -1, 1, -2, 3, 17, -base), arg)
+    return max(0, base + d), arg
+
+
+def _machine():
+    from .differential import Differential, choose
+
+    class Machine(Differential):
+        g1: object
+        g2: object
+        g3: object
+        OPS = ((1, "g1"), (2, "g2"), (2, "g3"))
+
+        def _gate(self, name, fn, args):
+            text = f"{name}({', '.join(f'{k}={v}' for k, v in args.items())})"
+            self.call(text, lambda: getattr(core_gates, name)(*args.values()),
+                      lambda: fn(**args), ref_canon=_engine_verdict, sub_canon=_lab_verdict(args),
+                      sentence=f"{CONTRACT[name]} {CONTRACT['numbers']}",
+                      where=f"{name}; {WHERE}")
+
+        def op_g1(self, arg):
+            size, arg = choose((1, 2, 3, 4, 8, 64), arg)
+            pending, _ = _near(size, arg)
+            self._gate("check_queue_capacity", self.g1,
+                       {"pending": pending, "max_queue_size": size})
+
+        def op_g2(self, arg):
+            budget, arg = choose((8, 16, 40, 64, 100), arg)
+            # the whole budget twice as often: a need that exactly fits is the boundary
+            # students move (>= for >)
+            need, arg = _near(choose((budget, budget, budget // 2, 1, budget // 3), arg)[0],
+                              arg // 5)
+            room, arg = choose((budget - need, budget - need, 0, budget, need), arg)
+            reserved, _ = _near(max(0, room), arg)
+            self._gate("check_kv_budget", self.g2,
+                       {"need": need, "reserved": reserved, "budget": budget})
+
+        def op_g3(self, arg):
+            pool, arg = choose((1, 4, 6, 8, 32), arg)
+            prompt, arg = _near(pool, arg)
+            free, arg = choose((pool, 0, pool // 2, 1), arg)
+            needed, _ = _near(choose((free, prompt, 1), arg)[0], arg >> 2)
+            self._gate("check_block_pool", self.g3,
+                       {"blocks_needed": needed, "free_blocks": min(free, pool),
+                        "prompt_blocks": prompt, "num_blocks": pool})
+
+    return Machine
+
+
 @guarded_check(60, reference, WHERE)
-def exact_fit_story(g1, g2, g3) -> None:
-    """In the engine: a request needing exactly the whole budget is served alone; two that
-    fill it to the last token are admitted in the same tick, without a hold."""
-    engine = use_gates(tiny_engine(max_batch_size=4, kv_budget_tokens=40, max_queue_size=4,
-                                   enable_prefix_caching=False),
-                       check_queue_capacity=g1, check_kv_budget=g2, check_block_pool=g3)
-    whole = engine.submit(list(range(1, 31)), SamplingParams(max_tokens=10))
-    drain(engine, WHERE)
-    if whole.output.finish_reason == "error":
-        fail(f"a request of 30 + 10 = 40 tokens into a 40-token budget was refused: "
-             f"{whole.output.rejection}; need == budget fits an empty engine (refuse only "
-             "need > budget)", f"check_kv_budget; {WHERE}")
-    engine.trace.clear()
-    pair = [engine.submit(list(range(50, 62)), SamplingParams(max_tokens=8)),
-            engine.submit(list(range(70, 84)), SamplingParams(max_tokens=6))]
-    drain(engine, WHERE)
-    held = [rec.admit.held for rec in engine.trace if rec.admit.held]
-    if held or any(h.output.finish_reason == "error" for h in pair):
-        fail(f"two requests of 20 tokens each into a 40-token budget: the second fills it to "
-             f"the last token (reserved 20 + need 20 == 40) and must be admitted at once, but "
-             f"it was held or refused: {held[0] if held else pair[1].output.rejection}",
-             f"check_kv_budget; {WHERE}")
+def check_against_the_engine(g1, g2, g3, hidden) -> None:
+    """Hidden: the three gates beside minserve's own on random calls drawn from the
+    instructor's secret, biased to the boundaries (exactly full, one over, far over, a
+    queue already beyond its size, a prompt as big as the pool): the same verdict every
+    time (gate, reason, hard), with the call's numbers and a message."""
+    from .differential import run
+
+    run(_machine(), hidden, "lab2/gates", piece="your gates", reference="minserve's own gates",
+        where=WHERE, bind={"g1": g1, "g2": g2, "g3": g3}, examples=100, steps=20)
 
 
-@guarded_check(20, reference, WHERE)
-def check_g3_cached(g3, secret: str | int = 0) -> None:
-    """G3 as the scheduler really calls it: part of the prompt cached (blocks_needed <
-    prompt_blocks) and part of the pool in use (free_blocks < num_blocks). The hard
-    refusal looks at the prompt against the whole pool, the soft hold at what is still
-    needed against what is free; a check on another pair of numbers, or a hold only when
-    nothing is free, gets one of these wrong. The numbers are drawn from the instructor's
-    secret (each case keeps the relation that decides it, whatever the draw)."""
-    rng, name = secret_rng(secret, "lab2/g3"), "check_block_pool"
-    for _ in range(3):
-        n = rng.randint(8, 64)
-        # cached prefix, enough free for the rest but not for the whole prompt: passes
-        p = rng.randint(4, n)
-        need = rng.randint(1, p - 2)
-        free = rng.randint(need, min(p - 1, n - 1))
-        _verdict(g3, name, {"blocks_needed": need, "free_blocks": free, "prompt_blocks": p,
-                            "num_blocks": n}, None)
-        # some blocks free, but fewer than still needed: hold (soft)
-        free = rng.randint(1, n - 2)
-        need = rng.randint(free + 1, n - 1)
-        _verdict(g3, name, {"blocks_needed": need, "free_blocks": free,
-                            "prompt_blocks": rng.randint(need, n), "num_blocks": n},
-                 ("G3", "block_pool", False))
-        # a prompt bigger than the whole pool, mostly cached: refuse (hard) all the same
-        p = rng.randint(n + 1, 2 * n)
-        free = rng.randint(2, n - 1)
-        _verdict(g3, name, {"blocks_needed": rng.randint(1, free), "free_blocks": free,
-                            "prompt_blocks": p, "num_blocks": n},
-                 ("G3", "prompt_exceeds_block_pool", True))
+# what the graded cell defines and may use (allowlist.py; grading runs it alone)
+CELL = Cell(names=NAMES, provided=lambda: {"Rejection": Rejection},
+            imports={"minserve.request": frozenset({"Rejection"})})
+
+# similarity.py: three `if`s per gate are the same tokens whoever writes them (honest
+# answers measure up to 0.98 against minserve/gates.py): measured, never flagged
+SIMILARITY_THRESHOLD = None
 
 
-def check_units(g1, g2, g3, secret: str | int = 0) -> None:
-    """Every unit check of the three gates, public and hidden (the boundaries, G3 with a
-    cached prefix on a pool in use): what each hidden test runs first, so a test that
-    cannot see a bug in a gate gives no credit for it."""
-    check_g1(g1)
-    check_g2(g2)
-    check_g3(g3)
-    check_boundaries(g1, g2, g3)
-    check_g3_cached(g3, secret)
+def hidden_story(hidden, label: str = "story") -> dict:
+    """gate_story's arguments drawn from the instructor's secret: a budget and four
+    (prompt, max_tokens) that keep the story (the first two fit together, the third fits
+    after either finishes but not beside both, the fourth exceeds the whole budget)."""
+    rng = secret_rng(hidden.seed, f"lab2/{label}")
+    budget = rng.randint(30, 90)
+    first = rng.randint(budget // 4, budget // 2 - 2)
+    second = rng.randint(budget // 4, budget - first - 2)
+    third = rng.randint(budget - first - second + 1, budget - max(first, second))
+    fourth = rng.randint(budget + 1, budget + 30)
+
+    def split(total):
+        out = rng.randint(1, max(1, total // 3))
+        return (total - out, out)
+
+    return {"budget": budget, "sizes": tuple(split(t) for t in (first, second, third, fourth))}

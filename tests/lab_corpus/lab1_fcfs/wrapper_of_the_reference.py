@@ -1,5 +1,6 @@
 # mistake: FCFSLab delegates every hook to a FCFSPolicy it holds
-# expect: minserve's own FCFSPolicy
+# expect: the graded cell was not run
+# expect: `from minserve.policies import FCFSPolicy`: the engine's own code is not allowed
 from minserve.policies import FCFSPolicy
 
 

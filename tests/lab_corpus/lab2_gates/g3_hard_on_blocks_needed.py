@@ -1,6 +1,6 @@
 # mistake: G3 refuses (hard) when the blocks still needed exceed the pool, not the prompt's blocks
-# expect: reason='prompt_exceeds_block_pool', hard=True)
 # expect: where to look: check_block_pool
+# expect: G3 refuses (hard, prompt_exceeds_block_pool) when prompt_blocks > num_blocks
 def check_queue_capacity(pending: int, max_queue_size: int) -> Rejection | None:
     if pending >= max_queue_size:
         return Rejection(gate="G1", reason="queue_full", hard=True,

@@ -1,5 +1,6 @@
 # mistake: G3 holds only when no block at all is free
-# expect: expected a Rejection(gate='G3', reason='block_pool', hard=False)
+# expect: where to look: check_block_pool
+# expect: holds (soft, block_pool) when blocks_needed > free_blocks
 def check_queue_capacity(pending: int, max_queue_size: int) -> Rejection | None:
     if pending >= max_queue_size:
         return Rejection(gate="G1", reason="queue_full", hard=True,

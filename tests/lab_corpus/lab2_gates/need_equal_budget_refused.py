@@ -1,6 +1,6 @@
 # mistake: G2 refuses need >= budget: a request that exactly fits the budget is refused
-# expect: check_kv_budget(need=40, reserved=0, budget=40)
-# expect: it should pass (None)
+# expect: where to look: check_kv_budget
+# expect: G2 refuses (hard, kv_budget_exceeded) when need > budget
 def check_queue_capacity(pending: int, max_queue_size: int) -> Rejection | None:
     if pending >= max_queue_size:
         return Rejection(gate="G1", reason="queue_full", hard=True,

@@ -1,5 +1,6 @@
 # mistake: G3 refuses prompt_blocks >= num_blocks: a prompt of exactly the pool is refused
-# expect: check_block_pool(blocks_needed=6, free_blocks=6, prompt_blocks=6, num_blocks=6)
+# expect: where to look: check_block_pool
+# expect: Exactly full passes
 def check_queue_capacity(pending: int, max_queue_size: int) -> Rejection | None:
     if pending >= max_queue_size:
         return Rejection(gate="G1", reason="queue_full", hard=True,

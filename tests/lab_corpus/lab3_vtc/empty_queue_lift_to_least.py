@@ -1,6 +1,6 @@
 # mistake: on an empty queue the newcomer is lifted to the least counter of all, not to the last to leave
-# expect: who left the queue last
-# expect: where to look: VTCLab.on_request_arrived
+# expect: where to look: VTCLab
+# expect: the current counter of last_left
 class VTCLab(Policy):
     """VTC within one priority tier at a time (minserve/fair.py keeps a clock per tier)."""
 

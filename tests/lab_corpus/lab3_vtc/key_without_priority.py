@@ -1,5 +1,6 @@
 # mistake: the key leaves out the priority: a busy high-priority session waits behind a low-priority one
-# expect: priority before the counter
+# expect: where to look: VTCLab
+# expect: iter(policy) lists the waiting requests by the key
 class VTCLab(Policy):
     """VTC within one priority tier at a time (minserve/fair.py keeps a clock per tier)."""
 

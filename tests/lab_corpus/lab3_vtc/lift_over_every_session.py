@@ -1,6 +1,6 @@
 # mistake: the lift takes the least counter over every session ever seen, not only those waiting
-# expect: not among every session seen
-# expect: where to look: VTCLab.on_request_arrived
+# expect: where to look: VTCLab
+# expect: the least counter among the sessions with requests waiting
 class VTCLab(Policy):
     """VTC within one priority tier at a time (minserve/fair.py keeps a clock per tier)."""
 

@@ -1,5 +1,6 @@
 # mistake: the lift runs even when the session still has requests waiting
-# expect: lift only a session with nothing waiting
+# expect: where to look: VTCLab
+# expect: if its session has nothing waiting
 class VTCLab(Policy):
     """VTC within one priority tier at a time (minserve/fair.py keeps a clock per tier)."""
 

@@ -1,6 +1,6 @@
 # mistake: equal counters broken by session name instead of arrival order
-# expect: between equal counters the earlier arrival goes first
-# expect: where to look: VTCLab.key
+# expect: where to look: VTCLab
+# expect: iter(policy) lists the waiting requests by the key
 class VTCLab(Policy):
     """VTC within one priority tier at a time (minserve/fair.py keeps a clock per tier)."""
 

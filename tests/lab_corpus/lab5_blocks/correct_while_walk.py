@@ -43,6 +43,7 @@ class BlockManagerLab(BlockManager):
         table = self._tables.pop(seq_id)
         self._seq_len.pop(seq_id)
         self._seq_hashes.pop(seq_id)
+        self._seq_salt.pop(seq_id, None)
         now = self._tick()
         for block_id in table[::-1]:
             block = self.blocks[block_id]

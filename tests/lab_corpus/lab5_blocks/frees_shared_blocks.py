@@ -1,5 +1,6 @@
 # mistake: free returns every block of the table at once, even those another sequence still holds
-# expect: free('a') while b shares its first 3 blocks
+# expect: where to look: BlockManagerLab
+# expect: ref_count - 1 per block
 class BlockManagerLab(BlockManager):
 
     def _cached_blocks(self, token_ids: list[int]) -> list[int]:
@@ -36,6 +37,7 @@ class BlockManagerLab(BlockManager):
         if table is None:
             return
         del self._seq_len[seq_id], self._seq_hashes[seq_id]
+        self._seq_salt.pop(seq_id, None)
         now = self._tick()
         for block_id in reversed(table):
             block = self.blocks[block_id]

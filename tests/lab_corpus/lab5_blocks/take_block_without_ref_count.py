@@ -37,6 +37,7 @@ class BlockManagerLab(BlockManager):
         if table is None:
             return
         del self._seq_len[seq_id], self._seq_hashes[seq_id]
+        self._seq_salt.pop(seq_id, None)
         now = self._tick()
         for block_id in reversed(table):
             block = self.blocks[block_id]

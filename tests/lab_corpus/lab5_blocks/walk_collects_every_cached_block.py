@@ -1,5 +1,6 @@
 # mistake: the walk hashes every full block along the chain and keeps all that are cached
-# expect: a later block is only valid after its whole chain
+# expect: where to look: BlockManagerLab
+# expect: stopping at the first miss
 class BlockManagerLab(BlockManager):
 
     def _cached_blocks(self, token_ids: list[int]) -> list[int]:
@@ -33,6 +34,7 @@ class BlockManagerLab(BlockManager):
         if table is None:
             return
         del self._seq_len[seq_id], self._seq_hashes[seq_id]
+        self._seq_salt.pop(seq_id, None)
         now = self._tick()
         for block_id in reversed(table):
             block = self.blocks[block_id]

@@ -1,6 +1,6 @@
 # mistake: the chained-hash walk skips a block that is not cached and goes on (continue, not break)
-# expect: stop the walk at the first block that is not cached
-# expect: where to look: BlockManagerLab._cached_blocks
+# expect: where to look: BlockManagerLab
+# expect: stopping at the first miss
 class BlockManagerLab(BlockManager):
 
     def _cached_blocks(self, token_ids: list[int]) -> list[int]:
@@ -37,6 +37,7 @@ class BlockManagerLab(BlockManager):
         if table is None:
             return
         del self._seq_len[seq_id], self._seq_hashes[seq_id]
+        self._seq_salt.pop(seq_id, None)
         now = self._tick()
         for block_id in reversed(table):
             block = self.blocks[block_id]

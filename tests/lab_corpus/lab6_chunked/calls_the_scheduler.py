@@ -1,5 +1,6 @@
 # mistake: next_chunk is the scheduler's own
-# expect: minserve's own Scheduler.next_chunk
+# expect: the graded cell was not run
+# expect: `from minserve.scheduler import Scheduler`: the engine's own code is not allowed
 from minserve.scheduler import Scheduler
 
 

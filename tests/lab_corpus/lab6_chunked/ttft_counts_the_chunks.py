@@ -1,5 +1,5 @@
 # mistake: time to first token counted as the number of chunks the request's prompt took
-# expect: waited
+# expect: where to look: measure
 # expect: waiting in pending counts
 def next_chunk(req: Request, chunk_size: int | None) -> tuple[int, int]:
     """This tick's piece (start, end) of req's prompt; chunk_size None: the whole rest."""

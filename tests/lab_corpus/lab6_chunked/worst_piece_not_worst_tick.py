@@ -1,5 +1,6 @@
 # mistake: measure takes the largest single piece instead of the largest tick
-# expect: chunk_size=8: measure(trace
+# expect: where to look: measure
+# expect: the largest sum of (end - start) over a tick's rec.prefill.chunks
 def next_chunk(req: Request, chunk_size: int | None) -> tuple[int, int]:
     """This tick's piece (start, end) of req's prompt; chunk_size None: the whole rest."""
     start = req.num_computed_prompt_tokens

@@ -26,7 +26,14 @@ class MyPolicy(Policy):
         self.waiting = [r for r in self.waiting if r is not req]
 
     def __iter__(self):
-        return iter(sorted(self.waiting, key=self.key))
+        # the order the picks would take: each pick gives its session one more turn
+        turns, left, order = dict(self.turns), list(self.waiting), []
+        while left:
+            head = min(left, key=lambda r: (-r.priority, turns.get(r.session_id, 0), r.arrival_seq))
+            order.append(head)
+            left.remove(head)
+            turns[head.session_id] = turns.get(head.session_id, 0) + 1
+        return iter(order)
 
     def __len__(self) -> int:
         return len(self.waiting)

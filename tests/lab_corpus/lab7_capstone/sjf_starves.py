@@ -1,5 +1,6 @@
 # mistake: shortest job first without aging: a long request starves while short ones keep arriving
-# expect: it starves
+# expect: where to look: MyPolicy.key
+# expect: bounded wait
 class MyPolicy(Policy):
     name = "mine"
 

@@ -1,5 +1,6 @@
 # mistake: MyPolicy hands everything to minserve's own FairPolicy
-# expect: minserve's own FairPolicy
+# expect: the graded cell was not run
+# expect: `from minserve.fair import FairPolicy`: the engine's own code is not allowed
 from minserve.fair import FairPolicy
 
 

@@ -1,0 +1,34 @@
+# mistake: G1 refuses when no room is left, counted as max_queue_size - pending == 0: a queue already beyond its size has "negative room" and passes
+# expect: where to look: check_queue_capacity
+# expect: however far beyond it pending already is
+def check_queue_capacity(pending: int, max_queue_size: int) -> Rejection | None:
+    room = max_queue_size - pending
+    if room != 0:
+        return None
+    return Rejection(gate="G1", reason="queue_full", hard=True,
+                     message=f"no room left in the pending queue ({pending}/{max_queue_size})",
+                     numbers={"pending": pending, "max_queue_size": max_queue_size})
+
+
+def check_kv_budget(need: int, reserved: int, budget: int) -> Rejection | None:
+    numbers = {"need": need, "reserved": reserved, "budget": budget}
+    if need > budget:
+        return Rejection(gate="G2", reason="kv_budget_exceeded", hard=True, numbers=numbers,
+                         message=f"{need} tokens exceed the whole budget of {budget}")
+    if reserved + need > budget:
+        return Rejection(gate="G2", reason="kv_budget", hard=False, numbers=numbers,
+                         message=f"{reserved} of {budget} reserved; {need} more needed")
+    return None
+
+
+def check_block_pool(blocks_needed: int, free_blocks: int, prompt_blocks: int,
+                     num_blocks: int) -> Rejection | None:
+    numbers = {"blocks_needed": blocks_needed, "free_blocks": free_blocks,
+               "prompt_blocks": prompt_blocks, "num_blocks": num_blocks}
+    if prompt_blocks > num_blocks:
+        return Rejection(gate="G3", reason="prompt_exceeds_block_pool", hard=True,
+                         numbers=numbers, message=f"{prompt_blocks} blocks > pool of {num_blocks}")
+    if blocks_needed > free_blocks:
+        return Rejection(gate="G3", reason="block_pool", hard=False, numbers=numbers,
+                         message=f"{blocks_needed} blocks needed, {free_blocks} free")
+    return None
