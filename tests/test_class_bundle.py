@@ -113,7 +113,7 @@ def test_the_bundle_holds_no_solution_and_no_hidden_test_by_content(bundle, tmp_
     assert "return (-req.priority, req.arrival_seq)" in forbidden
     for src in SOURCES:  # every lab gives solution lines, and hidden-test lines
         assert any(why.startswith(src.name) for why in forbidden.values()), src.name
-    assert any("check_hooks(FCFSLab, seed=" in s for s in forbidden), "lab 1's hidden test"
+    assert any("check_against_the_engine(FCFSLab, lab_hidden)" in s for s in forbidden), "lab 1's hidden test"
     assert bundle_script.leaks(bundle.parent, forbidden) == []  # the folder and the zip
     # the check can fail: a source notebook, or a hidden test beside the public ones,
     # slipped into a copy of the bundle is found by what it holds, whatever its name

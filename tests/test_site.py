@@ -122,7 +122,7 @@ def test_the_scan_reads_a_page_as_a_reader_does(tmp_path):
     (site / "notebooks" / "01_one_tick.html").write_text(page)
     found = bundle_script.leaks(site, forbidden)
     assert found and all(f.startswith("notebooks/01_one_tick.html") for f in found), found
-    hidden = next(s for s, why in forbidden.items() if "check_hooks(FCFSLab, seed=" in s)
+    hidden = next(s for s, why in forbidden.items() if "check_against_the_engine(FCFSLab, lab_hidden)" in s)
     (site / "notebooks" / "01_one_tick.html").unlink()
     (site / "minserve" / "labs").mkdir()
     (site / "minserve" / "labs" / "fcfs.py.html").write_text(_highlighted(hidden))
@@ -146,7 +146,7 @@ def test_class_bundle_with_site_scans_the_site_it_carries(tmp_path):
     make = (ROOT / "Makefile").read_text()
     assert re.search(r"^class-bundle:.*\n\t.*scripts/class_bundle.py \$\(ARGS\)", make, re.M)
     forbidden = bundle_script.forbidden_strings(SOURCES)
-    hidden = next(s for s, why in forbidden.items() if "check_hooks(FCFSLab, seed=" in s)
+    hidden = next(s for s, why in forbidden.items() if "check_against_the_engine(FCFSLab, lab_hidden)" in s)
     site = tmp_path / "site"
     site.mkdir()
     (site / "index.html").write_text(f"<html><body><pre>{_highlighted(hidden)}</pre></body></html>")
