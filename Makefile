@@ -79,9 +79,10 @@ FAST_SKIP := test_labs test_lab_grading test_teaching_commands test_student_copi
              test_app_browser test_demo_steps_browser test_jupyterlab \
              test_architectures test_side_by_side test_teacher_server test_server_fuzz \
              test_gpu_bench test_bench_experiments test_doc_commands test_page_figures test_site
+# a pytest worker per core (pytest-xdist), whole files to a worker (module fixtures load once)
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not real_model" --numprocesses=auto --dist=loadfile tests \
-		$(FAST_SKIP:%=--ignore=tests/%.py) --durations=10  # a pytest worker per core, a file each
+		$(FAST_SKIP:%=--ignore=tests/%.py) --durations=10
 
 screenshots: setup browser  # refresh docs/img: the chat demo's and the notebooks' figures
 	MINSERVE_SCREENSHOT_DIR=docs/img $(BIN)/python -m pytest -q tests/test_app_browser.py tests/test_jupyterlab.py \
