@@ -128,20 +128,14 @@ def student(fn: Callable, *args, name: str, where: str, **kwargs) -> Any:
 
 # ------------------------------------------------------------------ bounded, quiet checks
 @contextlib.contextmanager
-def time_limit(seconds: float, what: str, where: str) -> Iterator[None]:
-    """Fail (instead of hanging a grading kernel) if the block runs longer than `seconds`:
-    a queue that never empties, a loop that never ends. SIGALRM, so only on the main
-    thread (where Jupyter, otter and pytest run tests); elsewhere the block is unbounded."""
+def alarm(seconds: float, expire: Callable[[], Any]) -> Iterator[None]:
+    """Call `expire` (which raises) if the block runs longer than `seconds`. SIGALRM, so
+    only on the main thread (where Jupyter, otter and pytest run tests); elsewhere the
+    block is unbounded. An outer limit that was running gets back what is left of it."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGALRM"):
         yield
         return
-
-    def expire(signum, frame):
-        fail(f"{what} did not finish within {seconds:g} s: a loop that never ends (a queue "
-             "that never empties, a pick that removes nothing, a block chain that cycles?)",
-             where)
-
-    old = signal.signal(signal.SIGALRM, expire)
+    old = signal.signal(signal.SIGALRM, lambda signum, frame: expire())
     started = time.monotonic()
     previous = signal.setitimer(signal.ITIMER_REAL, seconds)[0]
     try:
@@ -151,6 +145,14 @@ def time_limit(seconds: float, what: str, where: str) -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
         if previous:  # an outer limit was running: give it back what is left of it
             signal.setitimer(signal.ITIMER_REAL, max(1e-3, previous - (time.monotonic() - started)))
+
+
+def time_limit(seconds: float, what: str, where: str) -> contextlib.AbstractContextManager:
+    """Fail (instead of hanging a grading kernel) if the block runs longer than `seconds`:
+    a queue that never empties, a loop that never ends."""
+    return alarm(seconds, lambda: fail(
+        f"{what} did not finish within {seconds:g} s: a loop that never ends (a queue that "
+        "never empties, a pick that removes nothing, a block chain that cycles?)", where))
 
 
 class CrashRecorder(logging.Handler):

@@ -38,14 +38,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import signal
-import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .common import LabCheckFailed, fail, make_req, show
+from .common import LabCheckFailed, alarm, fail, make_req, show
 
 
 # ------------------------------------------------------------------ the secret, as a seed
@@ -85,27 +82,14 @@ class Hang(BaseException):
     Exception` in the submission swallows it."""
 
 
-@contextlib.contextmanager
-def call_limit(seconds: float) -> Iterator[None]:
-    """Raise Hang if the block runs longer than `seconds` (SIGALRM: main thread only;
+def call_limit(seconds: float) -> contextlib.AbstractContextManager:
+    """Raise Hang if the block runs longer than `seconds` (common.alarm: main thread only;
     an outer time limit, e.g. guard.guarded_check's, gets what is left of it back)."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGALRM"):
-        yield
-        return
 
-    def expire(signum, frame):
+    def expire():
         raise Hang()
 
-    old = signal.signal(signal.SIGALRM, expire)
-    started = time.monotonic()
-    previous = signal.setitimer(signal.ITIMER_REAL, seconds)[0]
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-        if previous:
-            signal.setitimer(signal.ITIMER_REAL, max(1e-3, previous - (time.monotonic() - started)))
+    return alarm(seconds, expire)
 
 
 class WrongKind(ValueError):
