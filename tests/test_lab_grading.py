@@ -10,6 +10,7 @@ import importlib
 import os
 import re
 import sys
+import tempfile
 
 import nbformat
 import pytest
@@ -161,11 +162,14 @@ def test_the_graded_cell_sees_neither_the_checks_nor_the_seed(check_queue_capaci
 '''
 
 
-def test_the_grading_process_runs_the_graded_cell_alone_after_the_checks(tmp_path):
+def test_the_grading_process_runs_the_graded_cell_alone_after_the_checks(tmp_path, monkeypatch):
     """The graded cell, read from the file, runs in a fresh process with its lab's names
     only: not the notebook's other cells (which would have changed a check), not the
     checks' modules, not the seed (`lab_hidden` is the tests'); what it prints goes
-    nowhere; the result comes back per test case."""
+    nowhere; the result comes back per test case; its working folder is gone after."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     tests = tmp_path / "tests"
     tests.mkdir()
     (tests / "gates.py").write_text(GATES_TEST)
@@ -183,6 +187,24 @@ def test_the_grading_process_runs_the_graded_cell_alone_after_the_checks(tmp_pat
     (_, g1_ok, g1_said), (_, hidden_ok, hidden_said) = g.questions["gates"]
     assert not g1_ok and "check_queue_capacity(pending=3, max_queue_size=3) returned None" in g1_said
     assert hidden_ok, hidden_said
+    assert list(temp.iterdir()) == []  # a term of submissions leaves no folder behind
+
+
+def test_a_grading_process_past_its_time_is_killed_and_leaves_no_folder(tmp_path, monkeypatch):
+    """A graded cell that never ends: the parent kills it at the time limit, every case
+    fails saying so, and the folder it ran in is removed (the child, killed, cannot)."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "gates.py").write_text(GATES_TEST)
+    graded = labs_script.solution_code("lab2_gates") + "\n\nwhile True:\n    pass\n"
+    path = _notebook(tmp_path, "lab2_gates", graded)
+    g = grading.grade_notebook(path, tests, 0, timeout_s=2)
+    assert g.error and "did not finish within 2 s" in g.error, g.error
+    assert not any(ok for _, ok, _ in g.questions["gates"])
+    assert list(temp.iterdir()) == []
 
 
 @pytest.mark.parametrize("cell, said", [

@@ -36,6 +36,7 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import sys
 import tempfile
@@ -147,10 +148,11 @@ def warm(lab: str) -> None:
     tiny_model()
 
 
-def _child(write_fd: int, source: str, lab: str, tests_dir: str, seed: int, scale: float,
-           shrink: bool) -> None:
-    """The grading process: the checks and the tests first, then the graded cell alone,
-    then every test; the results as JSON on write_fd. Never returns."""
+def _child(write_fd: int, workdir: str, source: str, lab: str, tests_dir: str, seed: int,
+           scale: float, shrink: bool) -> None:
+    """The grading process, in `workdir` (the parent's, which it removes): the checks and
+    the tests first, then the graded cell alone, then every test; the results as JSON on
+    write_fd. Never returns."""
     code = 0
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -160,7 +162,7 @@ def _child(write_fd: int, source: str, lab: str, tests_dir: str, seed: int, scal
             import resource
 
             resource.setrlimit(resource.RLIMIT_CPU, (600, 600))
-        os.chdir(tempfile.mkdtemp(prefix="lab-grading-"))
+        os.chdir(workdir)
         results = run_tests_on(source, lab, tests_dir, seed, scale, shrink)
         payload = json.dumps(results).encode()
     except BaseException as e:  # noqa: BLE001 - the parent reports it
@@ -232,6 +234,7 @@ class Job:
     read_fd: int
     started: float
     timeout_s: float
+    workdir: str  # the process's working folder (what a submission writes lands here)
 
     def wait(self) -> list | dict:
         chunks, deadline = [], self.started + self.timeout_s
@@ -252,6 +255,9 @@ class Job:
             os.close(self.read_fd)
             with contextlib.suppress(ChildProcessError):
                 _, status = os.waitpid(self.pid, 0)
+            # The child ends with os._exit (no cleanup runs there): its folder goes here,
+            # once it is dead, or a term of grading leaves a folder per submission in /tmp.
+            shutil.rmtree(self.workdir, ignore_errors=True)
         try:
             return json.loads(b"".join(chunks).decode())
         except ValueError:
@@ -264,15 +270,16 @@ def start(source: str, lab: str, tests_dir: Path, seed: int, scale: float = 1.0,
     """Fork the grading process for a graded cell; returns at once. `scale` and `shrink`:
     the hidden checks' share of their sequences and whether a failure is shrunk (both
     as grading has them by default; `make test` builds with less)."""
+    workdir = tempfile.mkdtemp(prefix="lab-grading-")
     read_fd, write_fd = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:  # the child
         os.close(read_fd)
-        _child(write_fd, source, lab, str(tests_dir), seed, scale, shrink)
+        _child(write_fd, workdir, source, lab, str(tests_dir), seed, scale, shrink)
     os.close(write_fd)
-    return Job(pid, read_fd, time.monotonic(), timeout_s)
+    return Job(pid, read_fd, time.monotonic(), timeout_s, workdir)
 
 
 # ------------------------------------------------------------------ one submission
