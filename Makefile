@@ -64,8 +64,11 @@ notebooks: setup     # JupyterLab on your copies of the lessons and labs (work/)
 notebooks-reset: setup  # a fresh copy of the lessons in work/ (the old one moves to work-old/)
 	$(BIN)/python scripts/work_copy.py --reset
 
+# A pytest worker per core (pytest-xdist), whole files to a worker: a module's fixtures
+# (the real model, the labs' otter run) load once. Serial, the suite used one core of two
+# for 12 minutes. --durations: the slowest 25, so a slow test shows in CI's log.
 test: setup browser
-	$(BIN)/python -m pytest -q --durations=25  # the slowest 25, so a slow test shows in CI's log
+	$(BIN)/python -m pytest -q --numprocesses=auto --dist=loadfile --durations=25
 
 # The edit-test loop, 3 minutes at most on a quiet 2-core machine (README.md, "Tests"): the
 # engine's invariants and every backend, prefill mode and fast path on tiny models, the
