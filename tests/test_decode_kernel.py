@@ -100,9 +100,10 @@ def test_rms_norm_in_c_is_hf_llama_rms_norm():
 
 # -------------------------------------------------- a decode step of a few rows, all in C
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases
-@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("B", [1, 3, 5])
 def test_a_decode_step_in_c_is_the_compact_forward_of_those_rows(family, B):
-    """`CompactLlama.decode_in_c` (every layer in one C call) computes what the compact
+    """`CompactLlama.decode_in_c` (every layer in one C call; 1 and 3 rows) and
+    `decode_rows` (C between oneDNN's matmuls; 5 rows) compute what the compact
     forward's Python loop computes for the same rows: the logits to float rounding, and
     the same K/V written into the pool."""
     from minserve.backends.paged import PagedBackend
@@ -114,7 +115,7 @@ def test_a_decode_step_in_c_is_the_compact_forward_of_those_rows(family, B):
     runner = CompactLlama(model, max_model_len=64, kernel=kernel)
     backends = [PagedBackend(model, BlockManager(16, 8, False), runner=runner, kernel=kernel)
                 for _ in range(2)]
-    tables = [[1, 2, 3], [4, 5, 6], [7, 8, 9]][:B]
+    tables = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12], [13, 14, 15]][:B]
     g = torch.Generator().manual_seed(B)
     prompt = torch.randint(0, 256, (B, 13), generator=g)
     decode_ids = torch.randint(0, 256, (B, 1), generator=g)
@@ -125,8 +126,16 @@ def test_a_decode_step_in_c_is_the_compact_forward_of_those_rows(family, B):
                torch.arange(13).repeat(B, 1), kernel), 13)  # the same history in both pools
         ctx = PagedForward.build(b.storage, tables, decode_pos, kernel)
         assert runner._in_c(ctx, B, 1, 1)
-        got.append(runner.forward(decode_ids, decode_pos, ctx, 1) if in_c
-                   else _python_forward(runner, decode_ids, decode_pos, ctx))
+        route = "decode_in_c" if B <= runner.STEP_IN_C_ROWS else "decode_rows"
+        calls, real = [], getattr(runner, route)
+        setattr(runner, route,
+                lambda *a, calls=calls, route=route, real=real: calls.append(route) or real(*a))
+        try:
+            got.append(runner.forward(decode_ids, decode_pos, ctx, 1) if in_c
+                       else _python_forward(runner, decode_ids, decode_pos, ctx))
+        finally:
+            delattr(runner, route)
+        assert calls == ([route] if in_c else [])
     assert got[0].shape == got[1].shape == (B, 1, model.config.vocab_size)
     torch.testing.assert_close(got[0], got[1], rtol=1e-4, atol=1e-4)
     for layer in range(model.config.num_hidden_layers):  # the new token's K/V, in both pools
@@ -147,6 +156,24 @@ def test_the_serve_path_runs_its_small_steps_in_c_and_gives_hf_generate_tokens(t
     handles = [engine.submit(p, SamplingParams(max_tokens=n)) for p, n in prompts]
     run_checked(engine)
     assert set(calls) == {1, 2, 3}  # steps of one, two and three rows ran in C
+    for (prompt, n), h in zip(prompts, handles):
+        assert h.output.token_ids == hf_greedy(tiny_model, prompt, n), prompt
+
+
+def test_the_serve_path_runs_larger_steps_with_c_between_the_matmuls_and_gives_hf_tokens(
+        tiny_model):
+    """Steps of four and five rows go through `decode_rows` (oneDNN's matmuls, C between
+    them), smaller ones through `decode_in_c`, and every request gets HF's greedy tokens."""
+    engine = make_engine(tiny_model, backend="paged", model_runner="compact",
+                         decode_attention="kernel", prefill_mode="mixed_batch",
+                         prefill_chunk_size=5, max_batch_size=5, block_size=8)
+    runner, calls = engine.scheduler.backend.runner, []
+    real = runner.decode_rows
+    runner.decode_rows = lambda ids, *a: calls.append(ids.shape[0]) or real(ids, *a)
+    prompts = [TINY_PROMPTS[i] for i in (2, 6, 8, 9, 11)]  # 3-13 tokens in, 11-24 out
+    handles = [engine.submit(p, SamplingParams(max_tokens=n)) for p, n in prompts]
+    run_checked(engine)
+    assert 5 in calls and set(calls) <= {4, 5}, calls
     for (prompt, n), h in zip(prompts, handles):
         assert h.output.token_ids == hf_greedy(tiny_model, prompt, n), prompt
 

@@ -192,7 +192,9 @@ class CompactLlama:
         (`logits_to_keep`: the last k per row, or indices into T), as the HF path returns."""
         B, T = ids.shape
         if self._in_c(ctx, B, T, logits_to_keep):
-            return self.decode_in_c(ids, positions, ctx)
+            if B <= self.STEP_IN_C_ROWS:
+                return self.decode_in_c(ids, positions, ctx)
+            return self.decode_rows(ids, positions, ctx)
         N = B * T
         H, H_kv, D = self.num_heads, self.num_kv_heads, self.head_dim
         x = F.embedding(ids.reshape(N), self.embed)  # (N, E): flat tokens, row after row
@@ -227,13 +229,13 @@ class CompactLlama:
 
     # --- a decode step of a few rows, every layer in C -----------------------------------
     def _in_c(self, ctx: PagedForward, B: int, T: int, logits_to_keep) -> bool:
-        """Whether this forward is a decode step `decode_in_c` runs: one token for each of
-        at most `STEP_IN_C_ROWS` rows, with the engine's decode attention in C (the
-        group has `lengths`: decode_attention="kernel"/"auto"; with "torch" the loop below
-        keeps PyTorch's attention, as that knob asks)."""
-        return (self.kernel is not None and T == 1 and B <= self.STEP_IN_C_ROWS
-                and logits_to_keep == 1 and len(ctx.groups) == 1
-                and ctx.groups[0].lengths is not None)
+        """Whether this forward is a decode step run with C between its matmuls: one
+        token for each row, with the engine's decode attention in C (the group has
+        `lengths`: decode_attention="kernel"/"auto"; with "torch" the loop below keeps
+        PyTorch's attention, as that knob asks). Up to `STEP_IN_C_ROWS` rows
+        `decode_in_c` runs it, more rows `decode_rows`."""
+        return (self.kernel is not None and T == 1 and logits_to_keep == 1
+                and len(ctx.groups) == 1 and ctx.groups[0].lengths is not None)
 
     def decode_in_c(self, ids: torch.Tensor, positions: torch.Tensor,
                     ctx: PagedForward) -> torch.Tensor:
@@ -253,6 +255,38 @@ class CompactLlama:
             self.layers[0]["down"].shape[1], ctx.storage.block_size,
             ctx.storage.flat(0)[0].shape[1], self.eps, self.scale)
         x = self.kernel.rms_norm(x, self.final_norm, self.eps)  # (B, E)
+        return self.head(x).view(B, 1, -1)  # (B, 1, V), float32
+
+    def decode_rows(self, ids: torch.Tensor, positions: torch.Tensor,
+                    ctx: PagedForward) -> torch.Tensor:
+        """The forward below for a decode step of more rows than `decode_in_c` takes: the
+        four matmuls of each layer stay in oneDNN (`Linear`, faster than the C loop from
+        about 4 rows on), and what lies between them is 4 C calls (decode_kernel.c, part
+        4) and 4 PyTorch operators instead of the loop's ~25. The softmax and SiLU stay
+        PyTorch's: their exp is vectorised and threaded, and a scalar expf over every
+        (row, head, key) or (row, feature) cost more at 8-32 rows than it saved. ids, positions (B, 1) -> logits (B, 1, V)."""
+        B = ids.shape[0]
+        g, K = ctx.groups[0], self.kernel
+        H, D = self.num_heads, self.head_dim
+        x = F.embedding(ids.reshape(B), self.embed)  # (B, E): a copy, updated in place
+        pos = positions.reshape(B)
+        cos, sin = self.cos[pos], self.sin_signed[pos]  # (B, D) each; `step` points into them
+        step, buf = K.step(x, cos, sin, ctx.write_slots,
+                           g.read_blocks, g.lengths, H, self.num_kv_heads,
+                           self.layers[0]["down"].shape[1], ctx.storage.block_size,
+                           ctx.storage.flat(0)[0].shape[1], self.eps, self.scale)
+        for i, w in enumerate(self.layers):
+            k_pool, v_pool = ctx.storage.flat(i)  # (H_kv, num_slots, D) each
+            h = K.rms_norm(x, w["ln1"], self.eps, out=buf["h"])  # (B, E)
+            K.rope_scores(step, w["qkv"](h), k_pool, v_pool)  # -> buf["scores"] (B, H, L)
+            probs = torch.softmax(buf["scores"], dim=-1)  # (B, H, L): 0 past each row's end
+            att = K.values_of(step, probs, v_pool, buf["att"])  # (B, H, D)
+            x += w["o"](att.view(B, H * D))  # (B, E)
+            h = K.rms_norm(x, w["ln2"], self.eps, out=buf["h"])
+            gate_up = w["gate_up"](h)  # (B, 2I)
+            act = F.silu(gate_up[:, :gate_up.shape[1] // 2])  # (B, I): PyTorch's vectorised
+            x += w["down"](act.mul_(gate_up[:, gate_up.shape[1] // 2:]))  # exp, as the loop's
+        x = K.rms_norm(x, self.final_norm, self.eps)  # (B, E)
         return self.head(x).view(B, 1, -1)  # (B, 1, V), float32
 
 

@@ -2,6 +2,9 @@
 
    1. Attention over block tables, read in place (`decode_scores`, `decode_values`).
    2. The weight matmuls of a step of a few rows (`rows_linear`).
+   3. A whole decode step of a few rows (`decode_layers`).
+   4. What lies between the matmuls of a decode step of more rows (`decode_rope_scores`,
+      `decode_values_of`, `rms_norm`).
 
    1. What it computes is `paged._attend` for T = 1 (one new token per row), the readable
    PyTorch version and the reference this kernel is tested against
@@ -269,25 +272,40 @@ static void rope(const float *x, const float *cos, const float *sin, int D, floa
     for (int d = 0; d < D; d++) out[d] = x[d] * cos[d] + x[(d + half) % D] * sin[d];
 }
 
+/* q heads into st->q (N, H, D), roped; k (roped) and v into the pools at each row's slot */
+static void rope_and_write(const Step *st, const float *qkv, float *k_pool, float *v_pool) {
+    const int H = st->H, H_kv = st->H_kv, D = st->D, QKV = (H + 2 * H_kv) * D;
+    for (int n = 0; n < st->N; n++) {
+        const float *row = qkv + (int64_t)n * QKV;
+        const float *c = st->cos + (int64_t)n * D, *s = st->sin + (int64_t)n * D;
+        const int64_t slot = st->slots[n];
+        for (int h = 0; h < H; h++)
+            rope(row + h * D, c, s, D, st->q + ((int64_t)n * H + h) * D);
+        for (int hk = 0; hk < H_kv; hk++) {
+            float *k_dst = k_pool + ((int64_t)hk * st->num_slots + slot) * D;
+            float *v_dst = v_pool + ((int64_t)hk * st->num_slots + slot) * D;
+            rope(row + (H + hk) * D, c, s, D, k_dst);
+            memcpy(v_dst, row + (H + H_kv + hk) * D, sizeof(float) * D);
+        }
+    }
+}
+
+/* act (N, I) = silu(g) * u, gu = [g | u] (N, 2I) */
+static void silu_mul(const float *gu, int N, int I, float *act) {
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < I; i++) {
+            const float g = gu[(int64_t)n * 2 * I + i], u = gu[(int64_t)n * 2 * I + I + i];
+            act[(int64_t)n * I + i] = g / (1.0f + expf(-g)) * u;
+        }
+}
+
 static void decode_layer(const Layer *w, const Step *st) {
     const int N = st->N, E = st->E, H = st->H, H_kv = st->H_kv, D = st->D, I = st->I;
     const int QKV = (H + 2 * H_kv) * D;
     const int64_t L = (int64_t)st->M * st->S;
     rms_norm(st->x, w->ln1, N, E, st->eps, st->h);
     linear_rows(st->h, w->qkv, w->qkv_bias, N, QKV, E, st->qkv, 0, st->threads);
-    for (int n = 0; n < N; n++) {
-        const float *row = st->qkv + (int64_t)n * QKV;
-        const float *c = st->cos + (int64_t)n * D, *s = st->sin + (int64_t)n * D;
-        const int64_t slot = st->slots[n];
-        for (int h = 0; h < H; h++)  /* q heads into (N, H, D) */
-            rope(row + h * D, c, s, D, st->q + ((int64_t)n * H + h) * D);
-        for (int hk = 0; hk < H_kv; hk++) {  /* k and v into the pools, at the row's slot */
-            float *k_dst = w->k_pool + ((int64_t)hk * st->num_slots + slot) * D;
-            float *v_dst = w->v_pool + ((int64_t)hk * st->num_slots + slot) * D;
-            rope(row + (H + hk) * D, c, s, D, k_dst);
-            memcpy(v_dst, row + (H + H_kv + hk) * D, sizeof(float) * D);
-        }
-    }
+    rope_and_write(st, st->qkv, w->k_pool, w->v_pool);
     decode_scores(st->q, w->k_pool, st->tables, st->lens, N, H, H_kv, D, st->num_slots,
                   st->S, st->M, st->scale, st->scores, st->threads);
     for (int64_t r = 0; r < (int64_t)N * H; r++) {  /* softmax over each (row, head)'s L */
@@ -301,14 +319,35 @@ static void decode_layer(const Layer *w, const Step *st) {
     linear_rows(st->att, w->o, w->o_bias, N, E, H * D, st->x, 1, st->threads);
     rms_norm(st->x, w->ln2, N, E, st->eps, st->h);
     linear_rows(st->h, w->gate_up, w->gate_up_bias, N, 2 * I, E, st->gu, 0, st->threads);
-    for (int n = 0; n < N; n++)
-        for (int i = 0; i < I; i++) {
-            const float g = st->gu[(int64_t)n * 2 * I + i], u = st->gu[(int64_t)n * 2 * I + I + i];
-            st->act[(int64_t)n * I + i] = g / (1.0f + expf(-g)) * u;
-        }
+    silu_mul(st->gu, N, I, st->act);
     linear_rows(st->act, w->down, w->down_bias, N, E, I, st->x, 1, st->threads);
 }
 
 void decode_layers(const Layer *layers, int num_layers, const Step *st) {
     for (int l = 0; l < num_layers; l++) decode_layer(&layers[l], st);
+}
+
+
+/* ---- 4. Between the matmuls of a decode step of more rows ----------------------------
+
+   From about 4 rows on, oneDNN's prepacked matmul beats the C loop of part 2, so a step
+   of more rows keeps its matmuls in oneDNN (fast/compact.py, `decode_rows`) and does
+   the attention block between them here: RoPE, the K/V write and the scores
+   (`decode_rope_scores`), then, after PyTorch's softmax, the values (`decode_values_of`),
+   with `rms_norm` (above) for the norms. The softmax and the MLP's SiLU stay PyTorch's
+   there: at 8-32 rows a scalar expf over every (row, head, key) or (row, feature) cost
+   more than the operators it saved. `st` carries the sizes, the rows and the q and
+   scores scratch; its x, h, qkv, att, gu and act are not read by these. */
+
+/* RoPE, the new K/V into this layer's pools, and the scores (into st->scores) */
+void decode_rope_scores(const Step *st, const float *qkv, float *k_pool, float *v_pool) {
+    rope_and_write(st, qkv, k_pool, v_pool);
+    decode_scores(st->q, k_pool, st->tables, st->lens, st->N, st->H, st->H_kv, st->D,
+                  st->num_slots, st->S, st->M, st->scale, st->scores, st->threads);
+}
+
+/* att (N, H, D) = probs (N, H, M*S) @ the rows' V */
+void decode_values_of(const Step *st, const float *probs, const float *v_pool, float *att) {
+    decode_values(probs, v_pool, st->tables, st->lens, st->N, st->H, st->H_kv, st->D,
+                  st->num_slots, st->S, st->M, att, st->threads);
 }

@@ -80,7 +80,8 @@ class Step(ctypes.Structure):
 
 class DecodeKernel:
     """The C functions, bound: `attend(q, k, v, tables, lengths, scale, block_size)`,
-    `linear(x, weight, bias)`, `rms_norm(x, weight, eps)` and `decode_layers(...)`. Each
+    `linear(x, weight, bias)`, `rms_norm(x, weight, eps)`, `decode_layers(...)`, and the
+    pieces of a step of more rows (`step`, `rope_scores`, `values_of`). Each
     runs on torch's intra-op thread count (`torch.get_num_threads()`, read at every call,
     as torch's own operators do)."""
 
@@ -98,7 +99,12 @@ class DecodeKernel:
         self._norm.argtypes = [P, P, i32, i32, ctypes.c_float, P]
         self._layers = lib.decode_layers
         self._layers.argtypes = [ctypes.POINTER(Layer), i32, ctypes.POINTER(Step)]
-        for f in (self._scores, self._values, self._linear, self._norm, self._layers):
+        self._rope_scores = lib.decode_rope_scores
+        self._rope_scores.argtypes = [ctypes.POINTER(Step), P, P, P]
+        self._values_of = lib.decode_values_of
+        self._values_of.argtypes = [ctypes.POINTER(Step), P, P, P]
+        for f in (self._scores, self._values, self._linear, self._norm, self._layers,
+                  self._rope_scores, self._values_of):
             f.restype = None
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -138,12 +144,31 @@ class DecodeKernel:
                      rows, n_out, n_in, y.data_ptr(), torch.get_num_threads())
         return y  # (N, out)
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """HF's LlamaRMSNorm of x (N, E), float32: weight * x / sqrt(mean(x^2) + eps)."""
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """HF's LlamaRMSNorm of x (N, E), float32: weight * x / sqrt(mean(x^2) + eps)
+        (into `out`, contiguous (N, E), when given)."""
         x = x.contiguous()
-        y = torch.empty_like(x)
+        y = torch.empty_like(x) if out is None else out
         self._norm(x.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps, y.data_ptr())
         return y
+
+    def rope_scores(self, step: Step, qkv: torch.Tensor, k_pool: torch.Tensor,
+                    v_pool: torch.Tensor) -> None:
+        """A decode step's layer between its q/k/v matmul and the softmax (decode_kernel.c,
+        part 4): RoPE, the rows' new K/V into the pools, the scores into the step's
+        scratch. qkv (N, (H + 2 H_kv) D) contiguous."""
+        assert qkv.is_contiguous() and qkv.shape[0] == step.N
+        self._rope_scores(ctypes.byref(step), qkv.data_ptr(), k_pool.data_ptr(),
+                          v_pool.data_ptr())
+
+    def values_of(self, step: Step, probs: torch.Tensor, v_pool: torch.Tensor,
+                  out: torch.Tensor) -> torch.Tensor:
+        """probs (N, H, M*S) contiguous, over the rows' V -> out (N, H, D)."""
+        assert probs.is_contiguous() and out.is_contiguous()
+        self._values_of(ctypes.byref(step), probs.data_ptr(), v_pool.data_ptr(),
+                        out.data_ptr())
+        return out
 
     @staticmethod
     def layer_table(layers: list[dict], pools: list[tuple[torch.Tensor, torch.Tensor]]
@@ -172,6 +197,18 @@ class DecodeKernel:
         (N, D) at the rows' positions; slots (N,) where each row's new K/V goes; tables
         (N, M) and lengths (N,) int64 as `attend` takes them (every id < the pool's
         blocks: the C code does not check)."""
+        step, _bufs = self.step(x, cos, sin, slots, tables, lengths, heads, kv_heads,
+                                intermediate, block_size, num_slots, eps, scale)
+        self._layers(table, len(table), ctypes.byref(step))  # _bufs: alive till here
+
+    @staticmethod
+    def step(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+             tables: torch.Tensor, lengths: torch.Tensor, heads: int, kv_heads: int,
+             intermediate: int, block_size: int, num_slots: int, eps: float,
+             scale: float) -> tuple[Step, dict[str, torch.Tensor]]:
+        """The C `Step` of a decode step of the rows of x (N, E), and its scratch tensors
+        by name. The Step holds pointers only: the caller keeps every tensor passed here,
+        and the scratch, alive as long as it uses the Step."""
         N, E = x.shape
         D = cos.shape[1]
         M = tables.shape[1]
@@ -188,7 +225,7 @@ class DecodeKernel:
                     x=x.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
                     slots=slots.data_ptr(), tables=tables.data_ptr(), lens=lengths.data_ptr(),
                     **{name: t.data_ptr() for name, t in bufs.items()})
-        self._layers(table, len(table), ctypes.byref(step))
+        return step, bufs
 
 
 def kernel_for(mode: str, storage) -> DecodeKernel | None:
