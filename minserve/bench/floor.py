@@ -60,6 +60,9 @@ PATHS = {
 # them taken away one at a time: what each is worth, measured in the same rounds.
 # (C matmul of a few rows, every layer in C); the serve path itself has both.
 PARTS = {"serve-onednn": (False, False), "serve-rows": (True, False)}
+# Above them, the matmuls stay in oneDNN and the serve path runs C between them
+# (`CompactLlama.decode_rows`): beside it, the same path with its layers in Python.
+LOOP = {"serve-loop": (True, False)}
 READ_FLOATS = 64 * 2**20  # 256 MB: far beyond any cache
 GEMM = 1024
 
@@ -120,8 +123,8 @@ def measure(bench, batch: int, context: int, ticks: int, paths: list[str]) -> di
         engines[name] = bench.engine(max_batch_size=batch, num_blocks=batch * per_row + 2,
                                      enable_prefix_caching=False, **PATHS[name][1])
         handles[name] = decoding(engines[name], prompts, ticks + 8)
-    if "serve" in paths and batch <= Linear.SMALL_ROWS:
-        for name, parts in PARTS.items():
+    if "serve" in paths:
+        for name, parts in (PARTS if batch <= Linear.SMALL_ROWS else LOOP).items():
             engines[name] = bench.engine(max_batch_size=batch, num_blocks=batch * per_row + 2,
                                          enable_prefix_caching=False, **PATHS["serve"][1])
             without_c_parts(engines[name], *parts)
@@ -152,7 +155,7 @@ def floor(bench):
     """A decode step of each path against this machine's floor (memory or matmul bound)."""
     a = bench.args
     model, _ = bench.model()
-    floors, steps, rates, parts = [], [], [], []
+    floors, steps, rates, parts, loops = [], [], [], [], []
     for B in a.batch:
         t = measure(bench, B, a.context, a.ticks, a.paths)
         cost = step_cost(model, B, a.context)
@@ -167,7 +170,11 @@ def floor(bench):
         if "serve-rows" in t:
             parts.append([B, f"{f['floor']:.1f}", *(f"{t[p]:.1f} ({t[p] / f['floor']:.2f}x)"
                                                     for p in (*PARTS, "serve"))])
-        print(floors[-1], steps[-1], *parts[-1:], flush=True)
+        if "serve-loop" in t:
+            loops.append([B, f"{f['floor']:.1f}", *(f"{t[p]:.1f} ({t[p] / f['floor']:.2f}x)"
+                                                    for p in (*LOOP, "serve")),
+                          f"**{t['serve'] / t['serve-loop']:.2f}**"])
+        print(floors[-1], steps[-1], *parts[-1:], *loops[-1:], flush=True)
         if B == 1 and "serve" in a.paths:
             bench.record({"floor.batch1_ms": round(f["floor"], 1),
                           "floor.serve_batch1_ratio": round(t["serve"] / f["floor"], 2)},
@@ -191,4 +198,9 @@ def floor(bench):
            "same rounds):", "",
            *md_table(["batch", "floor (ms)", "every matmul in oneDNN, layers in Python (ms, "
                       "x floor)", "+ the few rows' matmuls in C", "+ every layer in one C "
-                      "call (the serve path)"], parts, "---:")] if parts else [])])
+                      "call (the serve path)"], parts, "---:")] if parts else []),
+        *(["", "The serve path at more rows: its matmuls in oneDNN, and between them the "
+           "layers' other work in Python or in C (`decode_rows`; the same rounds):", "",
+           *md_table(["batch", "floor (ms)", "layers in Python (ms, x floor)", "C between "
+                      "the matmuls (the serve path)", "C / Python"], loops, "---:")]
+          if loops else [])])
