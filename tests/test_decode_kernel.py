@@ -143,37 +143,26 @@ def test_a_decode_step_in_c_is_the_compact_forward_of_those_rows(family, B):
             torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
 
 
-def test_the_serve_path_runs_its_small_steps_in_c_and_gives_hf_generate_tokens(tiny_model):
-    """Batches of one to three rows go through `decode_in_c` (prompt chunks and larger
-    batches through the Python loop) and every request still gets HF's greedy tokens."""
+@pytest.mark.parametrize("route, rows, picks, must, may", [
+    # steps of one to three rows: every layer in C (prompt chunks through the Python loop)
+    ("decode_in_c", 3, (2, 4, 6, 8), {1, 2, 3}, {1, 2, 3}),  # 24, 12, 16, 20 tokens out
+    # steps of four and five: oneDNN's matmuls, C between them (smaller: decode_in_c)
+    ("decode_rows", 5, (2, 6, 8, 9, 11), {5}, {4, 5}),  # 3-13 tokens in, 11-24 out
+])
+def test_the_serve_path_runs_its_decode_steps_in_c_and_gives_hf_generate_tokens(
+        tiny_model, route, rows, picks, must, may):
+    """Each decode step takes the C route for its row count, and every request still
+    gets HF's greedy tokens."""
     engine = make_engine(tiny_model, backend="paged", model_runner="compact",
                          decode_attention="kernel", prefill_mode="mixed_batch",
-                         prefill_chunk_size=5, max_batch_size=3, block_size=8)
+                         prefill_chunk_size=5, max_batch_size=rows, block_size=8)
     runner, calls = engine.scheduler.backend.runner, []
-    real = runner.decode_in_c
-    runner.decode_in_c = lambda ids, *a: calls.append(ids.shape[0]) or real(ids, *a)
-    prompts = [TINY_PROMPTS[i] for i in (2, 4, 6, 8)]  # 24, 12, 16, 20 tokens out
+    real = getattr(runner, route)
+    setattr(runner, route, lambda ids, *a: calls.append(ids.shape[0]) or real(ids, *a))
+    prompts = [TINY_PROMPTS[i] for i in picks]
     handles = [engine.submit(p, SamplingParams(max_tokens=n)) for p, n in prompts]
     run_checked(engine)
-    assert set(calls) == {1, 2, 3}  # steps of one, two and three rows ran in C
-    for (prompt, n), h in zip(prompts, handles):
-        assert h.output.token_ids == hf_greedy(tiny_model, prompt, n), prompt
-
-
-def test_the_serve_path_runs_larger_steps_with_c_between_the_matmuls_and_gives_hf_tokens(
-        tiny_model):
-    """Steps of four and five rows go through `decode_rows` (oneDNN's matmuls, C between
-    them), smaller ones through `decode_in_c`, and every request gets HF's greedy tokens."""
-    engine = make_engine(tiny_model, backend="paged", model_runner="compact",
-                         decode_attention="kernel", prefill_mode="mixed_batch",
-                         prefill_chunk_size=5, max_batch_size=5, block_size=8)
-    runner, calls = engine.scheduler.backend.runner, []
-    real = runner.decode_rows
-    runner.decode_rows = lambda ids, *a: calls.append(ids.shape[0]) or real(ids, *a)
-    prompts = [TINY_PROMPTS[i] for i in (2, 6, 8, 9, 11)]  # 3-13 tokens in, 11-24 out
-    handles = [engine.submit(p, SamplingParams(max_tokens=n)) for p, n in prompts]
-    run_checked(engine)
-    assert 5 in calls and set(calls) <= {4, 5}, calls
+    assert must <= set(calls) <= may, calls
     for (prompt, n), h in zip(prompts, handles):
         assert h.output.token_ids == hf_greedy(tiny_model, prompt, n), prompt
 

@@ -162,17 +162,24 @@ def test_the_graded_cell_sees_neither_the_checks_nor_the_seed(check_queue_capaci
 '''
 
 
-def test_the_grading_process_runs_the_graded_cell_alone_after_the_checks(tmp_path, monkeypatch):
-    """The graded cell, read from the file, runs in a fresh process with its lab's names
-    only: not the notebook's other cells (which would have changed a check), not the
-    checks' modules, not the seed (`lab_hidden` is the tests'); what it prints goes
-    nowhere; the result comes back per test case; its working folder is gone after."""
+@pytest.fixture
+def gates_tests(tmp_path, monkeypatch):
+    """(a temp folder that tempfile now uses, a tests folder holding GATES_TEST)."""
     temp = tmp_path / "temp"
     temp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     tests = tmp_path / "tests"
     tests.mkdir()
     (tests / "gates.py").write_text(GATES_TEST)
+    return temp, tests
+
+
+def test_the_grading_process_runs_the_graded_cell_alone_after_the_checks(tmp_path, gates_tests):
+    """The graded cell, read from the file, runs in a fresh process with its lab's names
+    only: not the notebook's other cells (which would have changed a check), not the
+    checks' modules, not the seed (`lab_hidden` is the tests'); what it prints goes
+    nowhere; the result comes back per test case; its working folder is gone after."""
+    temp, tests = gates_tests
     # G1 that never refuses (check_g1 fails it), and a cell after it that would disable
     # check_g1 if it ran (counted as shipped here, so the scan lets it be: it is not run)
     graded = labs_script.solution_code("lab2_gates") + (
@@ -190,15 +197,10 @@ def test_the_grading_process_runs_the_graded_cell_alone_after_the_checks(tmp_pat
     assert list(temp.iterdir()) == []  # a term of submissions leaves no folder behind
 
 
-def test_a_grading_process_past_its_time_is_killed_and_leaves_no_folder(tmp_path, monkeypatch):
+def test_a_grading_process_past_its_time_is_killed_and_leaves_no_folder(tmp_path, gates_tests):
     """A graded cell that never ends: the parent kills it at the time limit, every case
     fails saying so, and the folder it ran in is removed (the child, killed, cannot)."""
-    temp = tmp_path / "temp"
-    temp.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(temp))
-    tests = tmp_path / "tests"
-    tests.mkdir()
-    (tests / "gates.py").write_text(GATES_TEST)
+    temp, tests = gates_tests
     graded = labs_script.solution_code("lab2_gates") + "\n\nwhile True:\n    pass\n"
     path = _notebook(tmp_path, "lab2_gates", graded)
     g = grading.grade_notebook(path, tests, 0, timeout_s=2)
