@@ -64,9 +64,9 @@ notebooks: setup     # JupyterLab on your copies of the lessons and labs (work/)
 notebooks-reset: setup  # a fresh copy of the lessons in work/ (the old one moves to work-old/)
 	$(BIN)/python scripts/work_copy.py --reset
 
-# A pytest worker per core (pytest-xdist), whole files to a worker: a module's fixtures
-# (the real model, the labs' otter run) load once. Serial, the suite used one core of two
-# for 12 minutes. --durations: the slowest 25, so a slow test shows in CI's log.
+# A pytest worker per core, 4 at most (pytest-xdist; tests/conftest.py caps `auto`), whole
+# files to a worker: a module's fixtures (the real model, the labs' otter run) load once.
+# Serial, the suite used one core of two for 12 minutes. --durations: the slowest 25, so a slow test shows in CI's log.
 test: setup browser
 	$(BIN)/python -m pytest -q --numprocesses=auto --dist=loadfile --durations=25
 

@@ -16,6 +16,17 @@ from minserve.models import tiny_llama
 
 PHASES = ("admit_pending", "advance_prefill_chunk", "evict_finished", "decode_step")
 ROOT = Path(__file__).resolve().parents[1]
+MAX_AUTO_WORKERS = 4  # each worker imports torch and loads its own models (~2 GB at most)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`make test`'s `--numprocesses=auto`: a worker per core, at most MAX_AUTO_WORKERS,
+    so a 64-core machine does not start 64 copies of the real model; past 4 workers the
+    suite's longest files set its time anyway. PYTEST_XDIST_AUTO_NUM_WORKERS still wins."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    return max(1, min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0)) if hasattr(
+        os, "sched_getaffinity") else (os.cpu_count() or 1)))
 
 
 def load_script(name: str):

@@ -78,3 +78,19 @@ def test_the_readme_says_what_test_fast_runs_and_its_budget():
     for word in ("invariants", "backend", "notebooks", "browser", "labs"):
         assert word in readme.split("## Tests", 1)[1], word
     assert said
+
+
+def test_make_test_runs_a_worker_per_core_and_at_most_four(monkeypatch):
+    """`make test` and `make test-fast` say `--numprocesses=auto`; conftest's hook turns
+    that into a worker per core the process may use, capped (a 64-core machine would
+    otherwise start 64 copies of the real model), with xdist's own variable still first."""
+    from tests import conftest
+
+    make_test = MAKEFILE.split("\ntest: ", 1)[1].split("\n\n", 1)[0]
+    assert "--numprocesses=auto" in make_test and "--numprocesses=auto" in recipe()
+    monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
+    for cores, workers in ((1, 1), (2, 2), (64, conftest.MAX_AUTO_WORKERS)):
+        monkeypatch.setattr(conftest.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert conftest.pytest_xdist_auto_num_workers(None) == workers
+    monkeypatch.setenv("PYTEST_XDIST_AUTO_NUM_WORKERS", "7")
+    assert conftest.pytest_xdist_auto_num_workers(None) == 7
