@@ -64,7 +64,22 @@ def tests_write_no_tracked_file():
     assert not changed, f"the test run changed files it must not write: {changed}"
 
 
-CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM = Path("/usr/bin/chromium")  # Debian's, driven by playwright: no browser download
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run"]
+
+
+@pytest.fixture(scope="module")
+def browser(request):
+    """One headless chromium per test module. A module's own `CHROMIUM_ARGS` (the site's,
+    which also cut the network) replace the flags above."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM),
+                              args=getattr(request.module, "CHROMIUM_ARGS", CHROMIUM_ARGS))
+        yield b
+        b.close()
 # Every test this session collected, before -m / -k deselect any: tests/test_page_figures.py
 # counts a test file's tests from it instead of a second `pytest --collect-only`.
 COLLECTED = pytest.StashKey[list]()

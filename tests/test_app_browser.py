@@ -19,9 +19,7 @@ import pytest
 
 from minserve.chat.logic import WAITING
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run"]
+from .conftest import CHROMIUM
 
 pytestmark = [
     pytest.mark.real_model,
@@ -48,16 +46,6 @@ def page_url():
     yield f"http://127.0.0.1:{port}/", engine
     demo.chat_app.close()
     demo.close()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield b
-        b.close()
 
 
 def test_reply_streams_into_the_page_beside_the_live_panel(page_url, browser, tmp_path):

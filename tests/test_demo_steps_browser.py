@@ -28,11 +28,10 @@ import pytest
 
 from minserve.chat.logic import NOISY_SESSION
 
+from .conftest import CHROMIUM
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "demo.md"
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run"]
 TICK_FLOOR_S = 0.01  # each forward of the stand-in model takes at least this long
 PROJECTOR = {"width": 1280, "height": 720}
 MIN_CARD_FONT_PX = 12  # legible from the back of a room at 1280x720
@@ -123,16 +122,6 @@ def apps(stand_in):
     for _, _, demo in launched.values():
         demo.chat_app.close()
         demo.close()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield b
-        b.close()
 
 
 def open_page(browser, url: str, viewport=None):

@@ -27,13 +27,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from .conftest import CHROMIUM, CHROMIUM_ARGS
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from work_copy import copy_lessons, reset  # noqa: E402
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run"]
 TOKEN = "minserve-test"
 # JupyterLab's output area with the file browser open in a 1400 px window is ~968 px
 WINDOW = {"width": 1400, "height": 900}

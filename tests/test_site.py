@@ -28,7 +28,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from .conftest import load_script
+from .conftest import CHROMIUM, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 site_script = load_script("course_site")
@@ -158,7 +158,6 @@ def test_class_bundle_with_site_scans_the_site_it_carries(tmp_path):
 
 # ------------------------------------------------------------------ the reader's test
 CHECK = os.environ.get("MINSERVE_SITE_CHECK") == "1"
-CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--disable-default-apps",
                  "--disable-extensions", "--no-first-run", "--host-resolver-rules=MAP * ~NOTFOUND"]
@@ -284,16 +283,6 @@ def test_lessons_link_the_code_they_show_at_its_line(site):
     assert m and "def run_remote(" in re.sub(r"<[^>]+>", "", m.group(1)), line
     one = (site / "notebooks" / "01_one_tick.html").read_text(encoding="utf-8")
     assert 'href="../minserve/inspection/stepper.py.html' in one
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield b
-        b.close()
 
 
 def open_page(browser, url: str, viewport=(1280, 720)):
