@@ -41,6 +41,8 @@ from typing import Any
 
 import httpx
 
+from minserve.bench.health import wait_healthy
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY_DIR = Path(tempfile.gettempdir()) / "minserve-tiny-chat-4096"
 KEYS = {"ms-alice-Q7fK2pX9vL3mT8wR": {"tenant": "alice"},
@@ -132,18 +134,8 @@ def serve(*flags: str, model: str = "tiny", up_s: float = 300):
                                 preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
         srv = Server(proc, f"http://127.0.0.1:{port}")
         try:
-            deadline = time.monotonic() + up_s
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError("minserve serve exited: " + "\n".join(srv.lines[-8:]))
-                try:
-                    if httpx.get(srv.url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("minserve serve did not come up")
-                time.sleep(0.3)
+            wait_healthy(proc, srv.url, up_s, said=lambda: "\n".join(srv.lines[-8:]),
+                         poll_s=0.3)
             yield srv
         finally:
             for pid in [proc.pid, *descendants(proc.pid)]:

@@ -28,6 +28,8 @@ from typing import Any
 
 import httpx
 
+from minserve.bench.health import wait_healthy
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = Path(tempfile.gettempdir()) / "minserve-tiny-chat-1024"
 KEYS = {"ms-alice-Q7fK2pX9vL3mT8wR": {"tenant": "alice"},
@@ -109,18 +111,8 @@ def cli(*flags: str, keys: dict | None = None):
                                 preexec_fn=_as_from_a_terminal)
         srv = Cli(proc, f"http://127.0.0.1:{port}", keys_file)
         try:
-            deadline = time.monotonic() + 120
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError("minserve serve exited: " + "\n".join(srv.lines[-5:]))
-                try:
-                    if httpx.get(srv.url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("minserve serve did not come up")
-                time.sleep(0.2)
+            wait_healthy(proc, srv.url, 120, said=lambda: "\n".join(srv.lines[-5:]),
+                         probe_s=1)
             yield srv
         finally:
             if proc.poll() is None:

@@ -13,6 +13,8 @@ declared in minserve/peers/serving.py, beside those peers). An outer layer.
                   driver that peers/'s HTTP target shares
     metrics.py    TTFT, ITL, TPOT, e2e, throughput, per session, Jain's index, refusals by gate
     report.py     markdown tables, each experiment's docs section
+    health.py     waiting for a `minserve serve` subprocess to answer /health (shares.py,
+                  and the scripts that drive a server from outside)
 
 The experiments of the engine, one concept per file: throughput.py, kv.py,
 scheduling.py, admission.py, forward.py, attention.py, gpu.py, overhead.py (a decode

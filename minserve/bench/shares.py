@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .health import wait_healthy
 from .metrics import percentile
 from .registry import at_least, experiment, option
 from .report import md_table
@@ -100,20 +101,8 @@ class Server:
             stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_up(self, timeout: float = 300.0) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"minserve serve ({self.name}) exited; see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"minserve serve ({self.name}) did not come up")
-            time.sleep(0.2)
+        wait_healthy(self.proc, self.url, timeout, f"minserve serve ({self.name})",
+                     lambda: f"see {self.log.name}")
 
     def stop(self) -> None:
         """Ask it to stop (SIGINT: it drains, then exits); `wait` for it after."""
