@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minserve import Engine, EngineConfig, SamplingParams, shares
+from minserve.bench.health import wait_healthy
 from minserve.models import tiny_llama
 
 from .conftest import ROOT, hf_greedy, make_engine, run_checked
@@ -548,14 +549,8 @@ def serve(model_dir: Path, *flags: str) -> tuple[subprocess.Popen, str]:
         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # as from a shell
     url = f"http://127.0.0.1:{port}"
 
-    def up():
-        assert proc.poll() is None, proc.stdout.read().decode()
-        try:
-            return httpx.get(url + "/health", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_until(up, 300, "minserve serve to come up")  # a deadline: a loaded machine is slow
+    # a deadline: a loaded machine is slow
+    wait_healthy(proc, url, 300, probe_s=1, said=lambda: proc.stdout.read().decode())
     return proc, url
 
 

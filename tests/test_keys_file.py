@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from minserve.__main__ import main
+from minserve.bench.health import wait_healthy
 from minserve.server.keys import KeyRing, load_api_keys
 
 from .test_server import wait_until
@@ -152,14 +153,7 @@ def test_sighup_while_the_model_loads_is_deferred_not_fatal(tmp_path):
                          daemon=True).start()
         url = f"http://127.0.0.1:{port}"
 
-        def up():
-            assert proc.poll() is None, "".join(lines)  # before: exit 129
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(up, timeout=120, what="the server to come up")
+        wait_healthy(proc, url, 120, probe_s=1, said=lambda: "".join(lines))  # before: exit 129
         wait_until(lambda: any("keys reloaded" in ln for ln in lines), what="the reload")
         assert any("SIGHUP while the server starts: deferred" in ln for ln in lines)
         assert httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {dave}"},

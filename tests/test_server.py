@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from minserve import Engine, EngineConfig, SamplingParams
+from minserve.bench.health import wait_healthy
 from minserve.server.api import create_app
 from minserve.server.cli import BackgroundServer, add_serve_arguments, engine_config_from_args
 
@@ -328,14 +329,7 @@ def test_python_dash_m_minserve_serve_starts_with_flags_and_env():
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        def up():
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(up, timeout=90, what="minserve serve to come up")
+        wait_healthy(proc, url, 90, probe_s=1, said=lambda: proc.stdout.read().decode())
         stats = httpx.get(url + "/scheduler/stats", timeout=5).json()
         assert (stats["max_queue_size"], stats["max_batch_size"]) == (3, 2)  # env, then flag
         r = sdk(url).chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=4,
@@ -371,14 +365,7 @@ def test_sigterm_ends_a_running_stream_with_a_reason_and_done_then_exits_0():
     url = f"http://127.0.0.1:{port}"
     lines: list[str] = []
     try:
-        def up():
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(up, timeout=90, what="minserve serve to come up")
+        wait_healthy(proc, url, 90, probe_s=1, said=lambda: proc.stdout.read().decode())
 
         def stream():
             with httpx.stream("POST", url + "/v1/completions", timeout=60, json={

@@ -21,6 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from minserve.bench.health import wait_healthy
+
 from .test_server import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,15 +80,8 @@ def served(tmp_path_factory):
         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # as from a shell
     srv = Served(proc, f"http://127.0.0.1:{port}", keys_file)
 
-    def up():
-        assert proc.poll() is None, "\n".join(srv.lines)
-        try:
-            return httpx.get(srv.url + "/health", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
-
     try:
-        wait_until(up, timeout=120, what="minserve serve to come up")
+        wait_healthy(proc, srv.url, 120, probe_s=1, said=lambda: "\n".join(srv.lines))
         yield srv
     finally:
         proc.send_signal(signal.SIGINT)
