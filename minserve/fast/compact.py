@@ -264,7 +264,8 @@ class CompactLlama:
         about 4 rows on), and what lies between them is 4 C calls (decode_kernel.c, part
         4) and 4 PyTorch operators instead of the loop's ~25. The softmax and SiLU stay
         PyTorch's: their exp is vectorised and threaded, and a scalar expf over every
-        (row, head, key) or (row, feature) cost more at 8-32 rows than it saved. ids, positions (B, 1) -> logits (B, 1, V)."""
+        (row, head, key) or (row, feature) cost more at 8-32 rows than it saved.
+        ids, positions (B, 1) -> logits (B, 1, V)."""
         B = ids.shape[0]
         g, K = ctx.groups[0], self.kernel
         H, D = self.num_heads, self.head_dim

@@ -290,14 +290,9 @@ static void rope_and_write(const Step *st, const float *qkv, float *k_pool, floa
     }
 }
 
-/* act (N, I) = silu(g) * u, gu = [g | u] (N, 2I) */
-static void silu_mul(const float *gu, int N, int I, float *act) {
-    for (int n = 0; n < N; n++)
-        for (int i = 0; i < I; i++) {
-            const float g = gu[(int64_t)n * 2 * I + i], u = gu[(int64_t)n * 2 * I + I + i];
-            act[(int64_t)n * I + i] = g / (1.0f + expf(-g)) * u;
-        }
-}
+/* part 4's (below): the attention block around the softmax, which this part shares */
+void decode_rope_scores(const Step *st, const float *qkv, float *k_pool, float *v_pool);
+void decode_values_of(const Step *st, const float *probs, const float *v_pool, float *att);
 
 static void decode_layer(const Layer *w, const Step *st) {
     const int N = st->N, E = st->E, H = st->H, H_kv = st->H_kv, D = st->D, I = st->I;
@@ -305,21 +300,22 @@ static void decode_layer(const Layer *w, const Step *st) {
     const int64_t L = (int64_t)st->M * st->S;
     rms_norm(st->x, w->ln1, N, E, st->eps, st->h);
     linear_rows(st->h, w->qkv, w->qkv_bias, N, QKV, E, st->qkv, 0, st->threads);
-    rope_and_write(st, st->qkv, w->k_pool, w->v_pool);
-    decode_scores(st->q, w->k_pool, st->tables, st->lens, N, H, H_kv, D, st->num_slots,
-                  st->S, st->M, st->scale, st->scores, st->threads);
+    decode_rope_scores(st, st->qkv, w->k_pool, w->v_pool);
     for (int64_t r = 0; r < (int64_t)N * H; r++) {  /* softmax over each (row, head)'s L */
         float *p = st->scores + r * L, mx = -INFINITY, sum = 0.0f;
         for (int64_t t = 0; t < L; t++) mx = p[t] > mx ? p[t] : mx;
         for (int64_t t = 0; t < L; t++) { p[t] = expf(p[t] - mx); sum += p[t]; }
         for (int64_t t = 0; t < L; t++) p[t] /= sum;
     }
-    decode_values(st->scores, w->v_pool, st->tables, st->lens, N, H, H_kv, D, st->num_slots,
-                  st->S, st->M, st->att, st->threads);
+    decode_values_of(st, st->scores, w->v_pool, st->att);
     linear_rows(st->att, w->o, w->o_bias, N, E, H * D, st->x, 1, st->threads);
     rms_norm(st->x, w->ln2, N, E, st->eps, st->h);
     linear_rows(st->h, w->gate_up, w->gate_up_bias, N, 2 * I, E, st->gu, 0, st->threads);
-    silu_mul(st->gu, N, I, st->act);
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < I; i++) {
+            const float g = st->gu[(int64_t)n * 2 * I + i], u = st->gu[(int64_t)n * 2 * I + I + i];
+            st->act[(int64_t)n * I + i] = g / (1.0f + expf(-g)) * u;
+        }
     linear_rows(st->act, w->down, w->down_bias, N, E, I, st->x, 1, st->threads);
 }
 
