@@ -143,6 +143,11 @@ def measure(bench, batch: int, context: int, ticks: int, paths: list[str]) -> di
     return times
 
 
+def against_floor(batch: int, floor: float, ms: dict[str, float], paths) -> list:
+    """A table row: the batch, its floor, then each path's ms and multiple of the floor."""
+    return [batch, f"{floor:.1f}", *(f"{ms[p]:.1f} ({ms[p] / floor:.2f}x)" for p in paths)]
+
+
 @experiment("floor",
             option("--batch", type=at_least(1), nargs="+", default=[1, 8, 32],
                    help="rows decoding, one run each"),
@@ -165,14 +170,11 @@ def floor(bench):
         floors.append([B, f"{cost['weights_bytes'] / 1e6:.0f}", f"{cost['kv_bytes'] / 1e6:.0f}",
                        f"{cost['flops'] / 1e9:.2f}", f"{f['bandwidth']:.1f}",
                        f"{f['compute']:.1f}", f"**{f['floor']:.1f}** ({bound})"])
-        steps.append([B, f"{f['floor']:.1f}",
-                      *(f"{t[p]:.1f} ({t[p] / f['floor']:.2f}x)" for p in a.paths)])
+        steps.append(against_floor(B, f["floor"], t, a.paths))
         if "serve-rows" in t:
-            parts.append([B, f"{f['floor']:.1f}", *(f"{t[p]:.1f} ({t[p] / f['floor']:.2f}x)"
-                                                    for p in (*PARTS, "serve"))])
+            parts.append(against_floor(B, f["floor"], t, (*PARTS, "serve")))
         if "serve-loop" in t:
-            loops.append([B, f"{f['floor']:.1f}", *(f"{t[p]:.1f} ({t[p] / f['floor']:.2f}x)"
-                                                    for p in (*LOOP, "serve")),
+            loops.append([*against_floor(B, f["floor"], t, (*LOOP, "serve")),
                           f"**{t['serve'] / t['serve-loop']:.2f}**"])
         print(floors[-1], steps[-1], *parts[-1:], *loops[-1:], flush=True)
         if B == 1 and "serve" in a.paths:
