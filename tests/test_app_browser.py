@@ -104,9 +104,10 @@ def test_reply_streams_into_the_page_beside_the_live_panel(page_url, browser, tm
     assert vtc["x"] + vtc["width"] <= box["x"] + box["width"] + 1, (vtc, box)
 
     img.mkdir(parents=True, exist_ok=True)
-    # the refused Enter's notice (a toast) would cover the panel in the docs' pictures
-    for close in page.locator(".toast-close").all():
-        close.click()
+    # The refused Enter's notice (a toast) would cover the panel in the docs' pictures. Its
+    # close button is clicked in the page: a locator's click waited 30 s in a CI run on a
+    # toast already leaving (inert, then detached), then on one that was no longer there.
+    page.evaluate("document.querySelectorAll('.toast-close').forEach(b => b.click())")
     page.wait_for_function("!document.querySelector('.toast-body')", timeout=15_000)
     page.screenshot(path=str(img / "app.png"), full_page=True)
     for tab, name in (("KV blocks", "app_kv.png"), ("Fairness", "app_fairness.png")):
