@@ -55,11 +55,15 @@ def _backend(model, runner: str) -> PagedBackend:
     return PagedBackend(model, BlockManager(16, 8, False), runner=compact)
 
 
-def test_compact_logits_allclose_hf_path_for_a_batch():
+@pytest.mark.parametrize("row_block", [None, 5])  # 5: the 18-token prefill in 4 row blocks
+def test_compact_logits_allclose_hf_path_for_a_batch(row_block):
     """Same pool layout, same forwards (a batched prefill, a decode step, a mixed
-    forward): the compact runner's logits equal the HF model's to float rounding."""
+    forward): the compact runner's logits equal the HF model's to float rounding, its
+    matmuls taking a forward's tokens all at once or `row_block` at a time."""
     model = tiny("qwen2")  # biases too
     hf, compact = _backend(model, "hf"), _backend(model, "compact")
+    if row_block is not None:
+        compact.runner.ROW_BLOCK = row_block
     tables = [[1, 2], [3, 4], [5, 6]]
     torch.manual_seed(1)
     ids = torch.randint(0, 256, (3, 6))  # (B, T)

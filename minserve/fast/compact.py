@@ -113,6 +113,10 @@ class CompactLlama:
     # and the step still saves its ~25 operators per layer: a 3-row tick took 0.78x the
     # Python loop's; at 4 rows, 1.03x (both ways interleaved, one thread, load ~3).
     STEP_IN_C_ROWS = 3
+    # Rows of a forward (a prompt's tokens) that go through a layer's matmuls together:
+    # a (512, 2I) block of the MLP is 6 MB for SmolLM2; oneDNN ran 512 rows of its four
+    # matmuls at ~215 GFLOP/s here, 2,764 rows at once at ~186.
+    ROW_BLOCK = 512
 
     def __init__(self, model: torch.nn.Module, max_model_len: int,
                  kernel: decode_kernel.DecodeKernel | None | str = "auto") -> None:
@@ -197,26 +201,37 @@ class CompactLlama:
             return self.decode_rows(ids, positions, ctx)
         N = B * T
         H, H_kv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        R = self.ROW_BLOCK
         x = F.embedding(ids.reshape(N), self.embed)  # (N, E): flat tokens, row after row
         pos = positions.reshape(N)
         cos = self.cos[pos].unsqueeze(1).to(x.dtype)  # (N, 1, D): broadcasts over heads
         sin = self.sin_signed[pos].unsqueeze(1).to(x.dtype)
         for i, w in enumerate(self.layers):
+            # A prompt's thousands of tokens go through each matmul R rows at a time, so
+            # the rows and what is made of them stay in cache: a prefill of 2,764 tokens
+            # (32 prompts) took 0.88x the time of one pass over all of them (medians of 4,
+            # interleaved, 2 threads), the same math. Attention takes every token at once.
             # --- attention block: x + o_proj(attention(rope(q), rope(k), v)) -------------
-            h = self._rms_norm(x, w["ln1"])  # (N, E)
-            qkv = w["qkv"](h)  # (N, (H + 2*H_kv) * D)
-            qk = qkv[:, :(H + H_kv) * D].view(N, H + H_kv, D)  # q heads then k heads
-            v = qkv[:, (H + H_kv) * D:].view(N, H_kv, D)  # (N, H_kv, D)
-            qk = qk * cos + qk.roll(D // 2, dims=-1) * sin  # RoPE on q and k: (N, H + H_kv, D)
+            qks, vs = [], []
+            for s in range(0, N, R):
+                h = self._rms_norm(x[s:s + R], w["ln1"])  # (r, E)
+                qkv = w["qkv"](h)  # (r, (H + 2*H_kv) * D)
+                qk = qkv[:, :(H + H_kv) * D].view(-1, H + H_kv, D)  # q heads then k heads
+                qks.append(qk * cos[s:s + R] + qk.roll(D // 2, dims=-1) * sin[s:s + R])  # RoPE
+                vs.append(qkv[:, (H + H_kv) * D:])  # (r, H_kv * D)
+            qk = qks[0] if len(qks) == 1 else torch.cat(qks)  # (N, H + H_kv, D)
+            v = vs[0] if len(vs) == 1 else torch.cat(vs)  # (N, H_kv * D)
             q = qk[:, :H].view(B, T, H, D).transpose(1, 2)  # (B, H, T, D): the HF layout
             k = qk[:, H:].view(B, T, H_kv, D).transpose(1, 2)  # (B, H_kv, T, D)
             v = v.view(B, T, H_kv, D).transpose(1, 2)  # (B, H_kv, T, D)
-            o = paged_attention(ctx, i, q, k, v, self.scale)  # (B, T, H, D)
-            x = x + w["o"](o.reshape(N, H * D))  # (N, E)
-            # --- MLP block: x + down(silu(gate(h)) * up(h)) ------------------------------
-            h = self._rms_norm(x, w["ln2"])  # (N, E)
-            gate, up = w["gate_up"](h).chunk(2, dim=-1)  # (N, I) each
-            x = x + w["down"](F.silu(gate) * up)  # (N, E)
+            o = paged_attention(ctx, i, q, k, v, self.scale).reshape(N, H * D)  # (N, H*D)
+            for s in range(0, N, R):
+                x_r = x[s:s + R]  # (r, E): a view, updated in place
+                x_r += w["o"](o[s:s + R])
+                # --- MLP block: x + down(silu(gate(h)) * up(h)) --------------------------
+                gate_up = w["gate_up"](self._rms_norm(x_r, w["ln2"]))  # (r, 2I)
+                gate, up = gate_up.chunk(2, dim=-1)  # (r, I) each
+                x_r += w["down"](F.silu(gate).mul_(up))
         # --- output head, only where a token is sampled ----------------------------------
         x = x.view(B, T, -1)  # (B, T, E)
         if isinstance(logits_to_keep, int):
