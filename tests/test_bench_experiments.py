@@ -36,8 +36,17 @@ def shares_did_its_work(out: str) -> None:
     assert table["4 keyed streams from one address"] == ["4 of 4", "4 of 4"]
 
 
+def decode_throughput_did_its_work(out: str) -> None:
+    """Each path's decode-only ticks were timed (its `TickTimes` trace): a rate, not '–',
+    and above the path's rate over the whole batch, which includes the prefill."""
+    head, row = [line for line in out.splitlines() if line.startswith("| ")][:2]
+    cells = dict(zip(head.strip("| ").split(" | "), row.strip("| ").split(" | ")))
+    for path in ("readable", "serve"):
+        assert float(cells[f"{path} decode ticks tok/s"]) > float(cells[f"{path} tok/s"]), cells
+
+
 # What an experiment's smallest run must show beyond ending (its own smoke test, run once)
-DID_ITS_WORK = {"shares": shares_did_its_work}
+DID_ITS_WORK = {"shares": shares_did_its_work, "decode-throughput": decode_throughput_did_its_work}
 
 
 def counts(name: str) -> list[argparse.Action]:
