@@ -47,6 +47,13 @@ def test_slo_needs_both_ttft_and_tpot_and_counts_failures_as_missed():
     assert slo_share([ok, slow_first, slow_tokens, one_token, failed]) == pytest.approx(0.4)
 
 
+def test_goodput_counts_the_output_tokens_of_the_requests_that_met_the_slo_only():
+    ok, slow, failed = _result(1.0, 0.1, 8), _result(0.5, 0.3, 6), _result(None, 0.0, 0, "x")
+    run = RateRun.of(1.0, [ok, slow, failed], t0=0.0, t1=2.0)
+    assert run.tok_s == pytest.approx((8 + 6) / 2) and run.slo_tok_s == pytest.approx(8 / 2)
+    assert run.slo == pytest.approx(1 / 3)
+
+
 def _run(rate: float, slo: float) -> RateRun:
     return RateRun(rate, 10, 10, 100, 10.0, (0.1, 0.2, 0.3), 0.05, slo)
 
@@ -169,7 +176,7 @@ def test_users_option_takes_numbers_of_users_or_none_each_once():
 
 
 def _rr(rate: float, tok_s: float, ttft_p90: float, tpot: float, slo: float) -> RateRun:
-    return RateRun(rate, 10, 10, 100, tok_s, (0.1, ttft_p90, 0.5), tpot, slo)
+    return RateRun(rate, 10, 10, 100, tok_s, (0.1, ttft_p90, 0.5), tpot, slo, tok_s * slo)
 
 
 def test_the_table_and_the_targets_show_every_server_both_ways():
@@ -194,6 +201,8 @@ def test_the_table_and_the_targets_show_every_server_both_ways():
     assert [s.split(":")[0] for s in said] == [f"minserve against vLLM CPU, {w}" for w in both]
     assert "tok/s at 2 req/s: **2.00x** vLLM CPU's (SLO met 100 % vs 20 %)" in said[0]
     assert "tok/s at 2 req/s: **1.20x** vLLM CPU's (SLO met 30 % vs 40 %)" in said[1]
+    assert "tok/s within the SLO at 2 req/s: **10.00x** vLLM CPU's (80.0 vs 8.0)" in said[0]
+    assert cells[1][3].endswith("200 ms, 100 % (80.0)") and cells[3][3].endswith("20 % (8.0)")
     assert "TTFT p90 at 0.5 req/s: **0.50x** vLLM CPU's (SLO met 100 % vs 90 %)" in said[1]
     assert "capacity: 0.5 vs < req/s" in said[1]
     text = sending([32, None])

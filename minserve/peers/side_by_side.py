@@ -35,8 +35,10 @@ token totals must agree: the table prints them, as the check that the work is eq
 Figures per server and rate: output tokens/s, TTFT p50/p90/p99, TPOT p50 (time per
 output token after the first, per request), and SLO attainment: the share of ALL
 requests (refused and failed ones count as missing it) with TTFT <= 3 s and
-TPOT <= 250 ms. Capacity under the SLO is the highest rate of `--capacity-rates`
-at which attainment stays >= 90 %, trying rates upwards until one falls short.
+TPOT <= 250 ms, and the output tokens/s of the requests that met it (goodput: the
+tokens a user holding the SLO counts as served). Capacity under the SLO is the highest
+rate of `--capacity-rates` at which attainment stays >= 90 %, trying rates upwards
+until one falls short.
 """
 
 from __future__ import annotations
@@ -119,16 +121,18 @@ class RateRun:
     ttft: tuple[float | None, float | None, float | None]  # p50, p90, p99 (s)
     tpot_p50: float | None  # s
     slo: float  # share of requests meeting the SLO
+    slo_tok_s: float = 0.0  # goodput: output tokens/s of the requests that met the SLO
 
     @classmethod
     def of(cls, rate: float, results: list[RequestResult], t0: float, t1: float) -> RateRun:
         done = [r for r in results if r.ok]
         ttfts = [r.ttft for r in done]
         out = sum(r.output_len for r in done)
+        good = sum(r.output_len for r in done if meets_slo(r))
         return cls(rate, len(results), len(done), out, out / max(t1 - t0, 1e-9),
                    tuple(percentile(ttfts, q) for q in (50, 90, 99)),
                    percentile([r.tpot for r in done if r.tpot is not None], 50),
-                   slo_share(results))
+                   slo_share(results), good / max(t1 - t0, 1e-9))
 
 
 Sweep = tuple[dict[float, RateRun], float | None]  # one server, one way: runs by rate, capacity
@@ -165,7 +169,7 @@ def _s(x: float | None) -> str:
 def table(results: dict[str, dict[str, Sweep]], low: float, high: float) -> str:
     """One row per server and way of sending (`results[server][sent_as(users)]`)."""
     head = (f"| server | sent | {low:g} req/s: tok/s, TTFT p50 / p90 / p99 (s), TPOT p50 | "
-            f"{high:g} req/s: tok/s, TTFT p50 / p90 (s), TPOT p50, SLO met | "
+            f"{high:g} req/s: tok/s, TTFT p50 / p90 (s), TPOT p50, SLO met (tok/s within it) | "
             f"capacity under the SLO | output tokens ({low:g} / {high:g}) |\n"
             "|---|---|---|---|---|---|")
     rows = [head]
@@ -175,7 +179,7 @@ def table(results: dict[str, dict[str, Sweep]], low: float, high: float) -> str:
         a = (f"{lo.tok_s:.1f}, {' / '.join(_s(t) for t in lo.ttft)}, {_ms(lo.tpot_p50)}"
              if lo else "—")
         b = (f"{hi.tok_s:.1f}, {_s(hi.ttft[0])} / {_s(hi.ttft[1])}, {_ms(hi.tpot_p50)}, "
-             f"{100 * hi.slo:.0f} %" if hi else "—")
+             f"{100 * hi.slo:.0f} % ({hi.slo_tok_s:.1f})" if hi else "—")
         c = "below the lowest rate tried" if cap is None else f"{cap:g} req/s"
         work = f"{lo.output_tokens if lo else '—'} / {hi.output_tokens if hi else '—'}"
         rows.append(f"| {name} | {way} | {a} | {b} | {c} | {work} |")
@@ -197,6 +201,11 @@ def ratios(results: dict[str, dict[str, Sweep]], low: float, high: float,
             parts.append(f"tok/s at {high:g} req/s: **{m[high].tok_s / v[high].tok_s:.2f}x** "
                          f"{peer}'s (SLO met {100 * m[high].slo:.0f} % vs "
                          f"{100 * v[high].slo:.0f} %)")
+        if high in m and high in v:  # goodput: what a user with the SLO counts as served
+            good = (f"**{m[high].slo_tok_s / v[high].slo_tok_s:.2f}x** {peer}'s"
+                    if v[high].slo_tok_s else f"{m[high].slo_tok_s:.1f} against none")
+            parts.append(f"tok/s within the SLO at {high:g} req/s: {good} "
+                         f"({m[high].slo_tok_s:.1f} vs {v[high].slo_tok_s:.1f})")
         if low in m and low in v and m[low].ttft[1] and v[low].ttft[1]:
             parts.append(f"TTFT p90 at {low:g} req/s: **{m[low].ttft[1] / v[low].ttft[1]:.2f}x** "
                          f"{peer}'s (SLO met {100 * m[low].slo:.0f} % vs {100 * v[low].slo:.0f} %)")
@@ -298,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                 rr = RateRun.of(rate, run.results, run.t_start, run.t_end)
                 print(f"   {cmd.name}, {sent_as(users)}, at {rate:g} req/s: {rr.tok_s:.1f} "
                       f"tok/s, TTFT p50 {_s(rr.ttft[0])} s, TPOT p50 {_ms(rr.tpot_p50)}, SLO "
-                      f"met {100 * rr.slo:.0f} %, {rr.completed}/{rr.requests} done", flush=True)
+                      f"met {100 * rr.slo:.0f} % ({rr.slo_tok_s:.1f} tok/s within it), "
+                      f"{rr.completed}/{rr.requests} done", flush=True)
                 return rr
 
             # Warm-up at the high rate: vLLM and torch compile or allocate on first use, and
