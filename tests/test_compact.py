@@ -117,13 +117,14 @@ def test_auto_runner_is_compact_where_it_runs_the_model_and_hf_elsewhere():
     assert EngineConfig(backend="padded", model_runner="auto").backend == "padded"
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5])  # 1, 2: the C loop; 5: oneDNN
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, Linear.PANEL_ROWS, Linear.PANEL_ROWS + 1])
+@pytest.mark.parametrize("bias", [False, True])  # up to PANEL_ROWS: the C matmul; then oneDNN
 def test_prepacked_linear_computes_what_f_linear_computes(bias, rows):
     torch.manual_seed(0)
     w, b, x = torch.randn(48, 32), torch.randn(48) if bias else None, torch.randn(rows, 32)
     lin = Linear(w, b, decode_kernel.load())
     assert lin.packed is not None or not torch.backends.mkldnn.is_available()
+    assert lin.panels is not None
     torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
     xt = x.t().contiguous().t()  # (rows, 32), not contiguous
     torch.testing.assert_close(lin(xt), lin(x))

@@ -65,24 +65,42 @@ def test_kernel_never_reads_a_block_outside_the_pool():
 
 
 # ------------------------------------------------------------ a few rows' matmuls and norms
-@settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, 6), n_out=st.integers(1, 40), n_in=st.integers(1, 70),
-       bias=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 40), n_out=st.integers(1, 80), n_in=st.integers(1, 70),
+       bias=st.booleans(), threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
 def test_rows_linear_computes_f_linear_for_any_shape_and_thread_count(rows, n_out, n_in, bias,
                                                                       threads, seed):
-    """decode_kernel.c's `rows_linear` (what compact.Linear runs for one or two rows) is
-    F.linear to float rounding: any row count (4 per pass, then the rest), widths that are
-    no multiple of its 16-float steps (the scalar tail), threads splitting the outputs."""
+    """decode_kernel.c's `rows_linear` on weights packed in panels (what compact.Linear runs
+    for a decode step) is F.linear to float rounding: any row count (tiles of every size
+    up to MAXR, a rest split in two), output widths that are no multiple of the panel
+    (the zero-padded last panel, written only where it has columns), threads splitting
+    the panels."""
     g = torch.Generator().manual_seed(seed)
     x, w = torch.randn(rows, n_in, generator=g), torch.randn(n_out, n_in, generator=g)
     b = torch.randn(n_out, generator=g) if bias else None
+    kernel = decode_kernel.load()
+    packed = kernel.pack(w)
+    assert packed.data.shape == (-(-n_out // kernel.panel_width), n_in, kernel.panel_width)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = decode_kernel.load().linear(x, w, b)
+        got = kernel.linear(x, packed, b)
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_panels_hold_each_weight_once_and_zeros_past_the_last_column():
+    """The panel layout itself: panel p, input i, lane j is W[p*PW + j, i]; lanes past the
+    last output column are 0 (so the C matmul can read whole panels)."""
+    kernel = decode_kernel.load()
+    PW = kernel.panel_width
+    assert PW in (16, 32)
+    w = torch.arange(float((PW + 3) * 5)).view(PW + 3, 5)  # a panel and 3 columns
+    data = kernel.pack(w).data  # (2, 5, PW)
+    torch.testing.assert_close(data[0], w[:PW].t())
+    torch.testing.assert_close(data[1, :, :3], w[PW:].t())
+    assert not data[1, :, 3:].any()
 
 
 def test_rms_norm_in_c_is_hf_llama_rms_norm():

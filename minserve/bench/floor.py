@@ -28,11 +28,12 @@ tokens (a tick is what a token costs the engine: forward, sampling, bookkeeping)
     hf         Hugging Face's own step, the inner loop of static `generate`: its forward
                over its DynamicCache and an argmax (bench/overhead.py, `BareDecoder`)
 
-At one and two rows, where the serve path runs all its C parts, two more engines of the
-serve path time what each part is worth, in the same rounds: `serve-onednn`, every
-matmul by oneDNN and every layer in Python (the serve path before them), and
-`serve-rows`, the matmuls of the few rows in C (`compact.Linear`) but the layers still
-in Python; the serve path itself also runs each layer in one C call (`decode_in_c`).
+Up to `Linear.PANEL_ROWS` rows, where the serve path runs its matmuls in C, two more
+engines of the serve path time what each part is worth, in the same rounds:
+`serve-onednn`, every matmul by oneDNN and every layer in Python (the serve path before
+them), and `serve-rows`, the matmuls in C (`compact.Linear`) but the layers still in
+Python; the serve path itself also runs the rest of each layer in C (`decode_in_c`: the
+whole layer in one call up to 3 rows; `decode_rows`: between the matmuls above).
 
 Threads default to what `minserve serve` uses on this machine: every core but one.
 """
@@ -56,9 +57,10 @@ PATHS = {
     "serve": ("paged + compact + C decode kernel (serve)",
               {"backend": "paged", "model_runner": "compact", "decode_attention": "kernel"}),
 }
-# At the batch sizes where the serve path runs its C parts (1-2 rows), the same path with
-# them taken away one at a time: what each is worth, measured in the same rounds.
-# (C matmul of a few rows, every layer in C); the serve path itself has both.
+# At the batch sizes where the serve path runs its matmuls in C (up to Linear.PANEL_ROWS
+# rows), the same path with its C parts taken away one at a time: what each is worth,
+# measured in the same rounds. (C matmul, the layers in C: `decode_in_c` up to
+# STEP_IN_C_ROWS rows, `decode_rows` above); the serve path itself has both.
 PARTS = {"serve-onednn": (False, False), "serve-rows": (True, False)}
 # Above them, the matmuls stay in oneDNN and the serve path runs C between them
 # (`CompactLlama.decode_rows`): beside it, the same path with its layers in Python.
@@ -124,7 +126,7 @@ def measure(bench, batch: int, context: int, ticks: int, paths: list[str]) -> di
                                      enable_prefix_caching=False, **PATHS[name][1])
         handles[name] = decoding(engines[name], prompts, ticks + 8)
     if "serve" in paths:
-        for name, parts in (PARTS if batch <= Linear.SMALL_ROWS else LOOP).items():
+        for name, parts in (PARTS if batch <= Linear.PANEL_ROWS else LOOP).items():
             engines[name] = bench.engine(max_batch_size=batch, num_blocks=batch * per_row + 2,
                                          enable_prefix_caching=False, **PATHS["serve"][1])
             without_c_parts(engines[name], *parts)
@@ -196,11 +198,10 @@ def floor(bench):
                    "compute floor (ms)", "floor (ms)"], floors, "---:"), "",
         *md_table(["batch", "floor (ms)", *(f"{names[p]} (ms, x floor)" for p in a.paths)],
                   steps, "---:"),
-        *(["", "The serve path at one and two rows, its C parts added one at a time (the "
-           "same rounds):", "",
+        *(["", "The serve path, its C parts added one at a time (the same rounds):", "",
            *md_table(["batch", "floor (ms)", "every matmul in oneDNN, layers in Python (ms, "
-                      "x floor)", "+ the few rows' matmuls in C", "+ every layer in one C "
-                      "call (the serve path)"], parts, "---:")] if parts else []),
+                      "x floor)", "+ the matmuls in C", "+ the rest of each layer in C "
+                      "(the serve path)"], parts, "---:")] if parts else []),
         *(["", "The serve path at more rows: its matmuls in oneDNN, and between them the "
            "layers' other work in Python or in C (`decode_rows`; the same rounds):", "",
            *md_table(["batch", "floor (ms)", "layers in Python (ms, x floor)", "C between "

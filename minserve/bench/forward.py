@@ -191,14 +191,15 @@ def compact(bench):
 def weight_pairs(runner) -> list[tuple[object, object]]:
     """(plain weight, prepacked Linear) for every linear layer of one forward."""
     lins = [w[name] for w in runner.layers for name in ("qkv", "o", "gate_up", "down")]
-    # a Linear without the C kernel drops its plain copy; rebuild it from the packed one
+    # a Linear with a packed copy drops its plain one; rebuild it from oneDNN's
     return [(lin.weight if lin.weight is not None else lin.packed.to_dense(), lin)
             for lin in [*lins, runner.head]]
 
 
 def linear_times(runner, B: int, rounds: int, c_rows: int = 0) -> dict[str, float]:
     """Median ms of every weight matmul of one forward at batch B, each way: `F.linear`,
-    oneDNN prepacked, and up to `c_rows` rows the C loop (decode_kernel.c, `rows_linear`)."""
+    oneDNN prepacked, and up to `c_rows` rows the C matmul on panels (decode_kernel.c,
+    `rows_linear`)."""
     import torch
     import torch.nn.functional as F
 
@@ -211,7 +212,8 @@ def linear_times(runner, B: int, rounds: int, c_rows: int = 0) -> dict[str, floa
     sides = {"F.linear": lambda: [F.linear(x[lin.shape[1]], w) for w, lin in pairs],
              "prepacked": lambda: [onednn(lin, x[lin.shape[1]]) for _, lin in pairs]}
     if B <= c_rows and runner.kernel is not None:
-        sides["C"] = lambda: [runner.kernel.linear(x[lin.shape[1]], w) for w, lin in pairs]
+        sides["C"] = lambda: [runner.kernel.linear(x[lin.shape[1]], lin.panels, lin.bias)
+                              for _, lin in pairs]
     with torch.inference_mode():
         return medians_ms(interleave(sides, rounds))
 
@@ -219,10 +221,11 @@ def linear_times(runner, B: int, rounds: int, c_rows: int = 0) -> dict[str, floa
 @experiment("linear", option("--batch", type=at_least(1), nargs="+",
                              default=[1, 2, 4, 8, 16, 32, 64], help="rows, one run each"),
             option("--rounds", type=at_least(1), default=9, help="interleaved rounds timed"),
-            option("--c-rows", type=at_least(0), default=4, help="time the C loop up to this batch"),
+            option("--c-rows", type=at_least(0), default=64,
+                   help="time the C matmul up to this batch"),
             threads=1, smallest=("--batch", "1", "--rounds", "1"))
 def linear(bench):
-    """Linear layers: `F.linear`, the prepacked oneDNN `Linear` and the C loop of a few rows."""
+    """Linear layers: `F.linear`, the prepacked oneDNN `Linear` and the C matmul on panels."""
     from ..fast.compact import CompactLlama, Linear
 
     a = bench.args
@@ -232,17 +235,18 @@ def linear(bench):
     rows = []
     for B in a.batch:
         r = linear_times(runner, B, a.rounds, a.c_rows)
-        c = f"{r['C']:.1f} ({r['F.linear'] / r['C']:.2f}x)" if "C" in r else "–"
+        c = (f"{r['C']:.1f}", f"{r['C'] / r['prepacked']:.2f}x") if "C" in r else ("–", "–")
         rows.append([B, f"{r['F.linear']:.1f}", f"{r['prepacked']:.1f}",
-                     f"{r['F.linear'] / r['prepacked']:.2f}x", c])
+                     f"{r['F.linear'] / r['prepacked']:.2f}x", *c])
         print(rows[-1], flush=True)
     bench.publish(f"linear-layers-threads{a.threads}", [
-        "## Linear layers: `F.linear` vs prepacked oneDNN vs the C loop", "",
+        "## Linear layers: `F.linear` vs prepacked oneDNN vs the C matmul", "",
         f"`.venv/bin/minserve bench linear --threads {a.threads}`: every weight matmul of one SmolLM2-135M "
         "decode forward at batch B (30 layers' fused qkv, o, gate_up, down, and the output "
         "head; fp32), done with PyTorch's `F.linear`, with oneDNN on weights reordered once, "
-        f"and up to {a.c_rows} rows with the C loop of decode_kernel.c (`rows_linear`), "
-        f"interleaved, medians of {a.rounds} rounds. HF's model runs the first; the compact "
-        f"forward's `Linear` runs the C loop up to {Linear.SMALL_ROWS} rows, oneDNN above.", "",
+        f"and up to {a.c_rows} rows with the C matmul of decode_kernel.c (`rows_linear`, "
+        f"weights packed in panels once), interleaved, medians of {a.rounds} rounds. HF's "
+        f"model runs the first; the compact forward's `Linear` runs the C matmul up to "
+        f"{Linear.PANEL_ROWS} rows, oneDNN above.", "",
         *md_table(["batch", "`F.linear` (ms)", "prepacked oneDNN (ms)", "F.linear / oneDNN",
-                   "C loop (ms, F.linear / C)"], rows)])
+                   "C matmul (ms)", "C / oneDNN"], rows)])

@@ -78,8 +78,8 @@ def runner_for(mode: str, model: torch.nn.Module, max_model_len: int) -> Compact
 
 
 def rows_kernel_for(weight: torch.Tensor) -> decode_kernel.DecodeKernel | None:
-    """The C kernel whose `linear` multiplies a few rows (decode_kernel.c, `rows_linear`)
-    for a model with this kind of weight: float32 on the CPU, where a C compiler builds
+    """The C kernel whose `linear` multiplies a decode step's rows (decode_kernel.c,
+    `rows_linear`) for a model with this kind of weight: float32 on the CPU, where a C compiler builds
     it; else None (oneDNN or F.linear do every matmul)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
@@ -102,10 +102,10 @@ class CompactLlama:
 
     Built from a loaded HF `*ForCausalLM`; keeps its own fused, prepacked copies of the
     projection weights and the output head (`Linear`; for SmolLM2-135M ~135 M floats,
-    540 MB in fp32), the fused q/k/v and gate/up weights unpacked too for the C matmul of
-    a few rows (280 MB more), and shares the rest (embedding, norms, o, down and the head
-    unpacked) with the HF model. `kernel`: the C kernel for those few rows ("auto": built
-    where it runs, `rows_kernel_for`; None: oneDNN for every matmul).
+    540 MB in fp32), a second copy of them packed in panels for the C matmul of a decode
+    step (540 MB more), and shares the rest (embedding, norms) with the HF model.
+    `kernel`: the C kernel for decode steps ("auto": built where it runs,
+    `rows_kernel_for`; None: oneDNN for every matmul, and no panels).
     """
 
     # Decode steps of up to this many rows run every layer in C (`decode_in_c`), its
@@ -310,47 +310,47 @@ class Linear:
     """`x (N, in) -> x @ W.T + b (N, out)`, what `F.linear` computes, each batch read the
     way that is fastest for it.
 
-    Up to `SMALL_ROWS` rows (a decode step of one or two streams): the C loop of
-    decode_kernel.c (`rows_linear`), which reads W row after row, one sequential stream.
-    There a matmul's time is the time to read W, and on the reference AMD EPYC this loop
-    reads it about as fast as a plain sum of W does, about 2x faster than oneDNN and
-    MKL; from 3-4 rows on, each weight loaded feeds enough arithmetic that oneDNN's
-    blocked kernels win (`minserve bench linear`).
+    Up to `PANEL_ROWS` rows (a decode step): the C matmul of decode_kernel.c
+    (`rows_linear`), on a copy of W packed once into panels of 16 or 32 output columns,
+    each read as one sequential stream, the rows' sums in registers. There a matmul's
+    time is mostly the time to read W: on the reference AMD EPYC it ran SmolLM2's
+    matmuls at 1 row at the speed of a plain sum of the weights, about 1.5x faster than
+    oneDNN, and at 8 rows in 0.70x oneDNN's time (`minserve bench linear`).
 
-    More rows: oneDNN with the weight reordered ONCE into its blocked layout (the op
-    PyTorch's own compiler emits for a frozen linear layer on CPU,
+    More rows (a prompt, a mixed batch): oneDNN with the weight reordered ONCE into its
+    blocked layout (the op PyTorch's own compiler emits for a frozen linear layer on CPU,
     `mkldnn._linear_pointwise`, and the kind of kernel vLLM's CPU build calls), which ran
-    SmolLM2's linear layers 1.6-2.7x faster than `F.linear` at batch 1-64 on one core
+    SmolLM2's linear layers 1.2-1.7x faster than `F.linear` at 33-512 rows on 2 threads
     (docs/benchmarks.md, "Linear layers").
 
     Same product, other summation orders: logits agree to float rounding, not bit for
     bit (the oracle tests compare tokens). Without oneDNN or the C kernel (a GPU, a build
-    without them, another dtype) it is plain `F.linear`.
+    without them, another dtype) it is plain `F.linear`. Memory: each copy is the size
+    of W (540 MB each for SmolLM2-135M in fp32).
     """
 
     PACK_FOR_BATCH = 16  # the layout oneDNN picks for M = 16 rows served B = 1..64 best here
-    SMALL_ROWS = 2  # rows up to which the C loop reads W faster than oneDNN (bench linear)
+    PANEL_ROWS = 64  # rows up to which the C matmul beat oneDNN here (bench linear)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  kernel: decode_kernel.DecodeKernel | None = None) -> None:
         self.weight, self.bias = weight, bias  # (out, in), (out,) or None
         self.shape = tuple(weight.shape)  # (out, in)
-        self.packed = None
+        self.packed = self.panels = None
         plain_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
         self.kernel = kernel if plain_cpu else None
-        if self.kernel is not None:  # the C loop reads the plain (out, in) rows
-            self.weight = weight.detach().contiguous()
+        if self.kernel is not None:  # a copy in panels, for the C matmul
+            self.panels = self.kernel.pack(weight)
             self.bias = None if bias is None else bias.detach().contiguous()
         if plain_cpu and torch.backends.mkldnn.is_available():
-            # a copy in oneDNN's blocked layout; the plain one is kept only for the C loop
+            # a copy in oneDNN's blocked layout
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
                                                                   self.PACK_FOR_BATCH)
-            if self.kernel is None:
-                self.weight = None
+            self.weight = None  # the plain one stays with the HF model, which may free it
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and x.shape[0] <= self.SMALL_ROWS:
-            return self.kernel.linear(x, self.weight, self.bias)
+        if self.kernel is not None and x.shape[0] <= self.PANEL_ROWS:
+            return self.kernel.linear(x, self.panels, self.bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias,

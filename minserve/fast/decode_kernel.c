@@ -32,7 +32,7 @@
    D must be a multiple of 8: the inner loops work on 8 floats at a time (`v8`, one AVX
    register; GCC and Clang map the vector type onto whatever the CPU has).
 
-   2. See `rows_linear` below: at one to four rows a matmul's speed is the memory's.
+   2. See `rows_linear` below: at one to a few dozen rows a matmul's speed is the memory's.
 
    Threads: each function takes a thread count (torch's, passed by decode_kernel.py) and
    splits its independent work over that many OpenMP threads when built with -fopenmp
@@ -135,75 +135,134 @@ void decode_values(const float *probs, const float *v_pool, const int64_t *table
 }
 
 
-/* ---- 2. The weight matmuls of a few rows -------------------------------------------
+/* ---- 2. The weight matmuls of a decode step -----------------------------------------
 
-   y (N, O) = x (N, I) @ W (O, I)^T (+ bias (O,)): what F.linear computes, for the N = 1..4
-   rows of a small decode step (fast/compact.py's `Linear` calls it there, oneDNN above).
+   y (N, O) = x (N, I) @ W (O, I)^T (+ bias (O,)): what F.linear computes, for the N = 1..32
+   rows of a decode step (fast/compact.py's `Linear` calls it there, oneDNN above), on a
+   copy of W packed once into panels (`pack_panels`).
 
-   Why. At N = 1 a matmul reads each weight once and does 2 flops per 4 bytes read: the
-   memory, not the arithmetic, sets its time, so the best it can do is read the weights
-   as fast as a plain sum of them would. On the 2-core AMD EPYC of the reference runs, oneDNN's prepacked linear and MKL's gemv read them at about half that speed;
-   `minserve bench floor` measures all three against the memory. Here each weight row is
-   read once, from its start to its end, one row after the other: one sequential stream,
-   the pattern the CPU's prefetcher follows best (four rows read side by side, four
-   streams, ran 1.6x slower here). The N rows of x (a few KB) stay in the L1 cache.
+   Why. At one row a matmul reads each weight once and does 2 flops per 4 bytes read: the
+   memory sets its time. At 8-32 rows each weight loaded feeds 8-32 multiply-adds, so
+   the arithmetic must keep up with the reads too. On the 2-core AMD EPYC of the
+   reference runs, oneDNN's prepacked linear read SmolLM2's weights at 17-22 GB/s at
+   1-8 rows, against 26-29 GB/s for a plain sum of them (`minserve bench floor`,
+   `minserve bench linear`). Here:
 
-       W (O, I)   row o: [ w w w w ... w ]  -> dotted with x[0..N-1]  -> y[0..N-1, o]
-                  row o+1 ...                   (8 floats a step, 2 sums per x row)
+     * W is copied once into panels of PW output columns (PW = 32 with AVX-512, 16
+       without): panel p holds, for each input i, the PW weights W[p*PW .. p*PW+PW-1, i]
+       side by side. Reading a panel is one sequential stream, the pattern the CPU's
+       prefetcher follows best.
 
-   Threads split the output rows into contiguous ranges: each still one stream. The sums
-   run in another order than oneDNN's or MKL's: equal to float rounding, not bit for bit
-   (as oneDNN already was; tests/test_compact.py compares tokens with HF and logits to
-   1e-4). I need not be a multiple of 8 (a scalar tail). */
+           Wp (O/PW, I, PW)   panel p: i=0 [w w ... w]  i=1 [w w ... w]  ...  (PW each)
 
-/* out[n] = w . x[n] for n < NB <= 4; x's rows `ldx` floats apart. Inlined with NB a
-   constant, so the loops over n unroll into 2 * NB independent vector sums. */
-static inline __attribute__((always_inline)) void dot_rows(const float *w, const float *x,
-                                                         int64_t ldx, int I, const int NB,
-                                                         float *out) {
-    v8 a[4] = {{0}}, c[4] = {{0}};
-    int i = 0;
-    for (; i + 16 <= I; i += 16) {
-        const v8 w0 = load8(w + i), w1 = load8(w + i + 8);
-        for (int n = 0; n < NB; n++) {
-            a[n] += w0 * load8(x + n * ldx + i);
-            c[n] += w1 * load8(x + n * ldx + i + 8);
+     * a tile of MR rows of x (MR <= MAXR: 12 with AVX-512, 6 without) times one panel
+       keeps its MR x PW sums in 2*MR vector registers. For each input i: two vector loads
+       of the panel, MR broadcasts of x[m, i] (the rows sit in the L1 cache), 2*MR
+       multiply-adds. The panel is read from memory once, by the first tile; a second
+       tile of rows finds it in the L2 cache (SmolLM2's largest panel is 192 KB).
+
+           y[m, p*PW + j] = sum_i x[m, i] * Wp[p, i, j]    (j over the 2 vectors)
+
+   Threads split the panels into contiguous ranges: each still one stream.
+
+   Numerics: each output is one float32 sum over i in order, another order than oneDNN's
+   or MKL's (which split i): equal to float rounding, not bit for bit
+   (tests/test_compact.py compares tokens with HF and logits to 1e-4). */
+
+#if defined(__AVX512F__)
+#define PW 32    /* a panel: 2 registers of 16 floats */
+#define MAXR 12  /* 24 sums + 2 weights + 1 broadcast of AVX-512's 32 registers */
+#else
+#define PW 16    /* 2 registers of 8 floats (AVX); other CPUs split the type as they must */
+#define MAXR 6   /* 12 sums + 2 weights + 1 broadcast of AVX's 16 registers */
+#endif
+
+typedef float vp __attribute__((vector_size(PW / 2 * sizeof(float))));  /* half a panel */
+
+static inline vp loadp(const float *p) { vp x; memcpy(&x, p, sizeof x); return x; }
+
+int panel_width(void) { return PW; }
+
+/* Wp (ceil(O / PW), I, PW) = W (O, I) in panels; the last panel's missing columns are 0 */
+void pack_panels(const float *W, int O, int I, float *Wp) {
+    const int P = (O + PW - 1) / PW;
+    for (int p = 0; p < P; p++)
+        for (int i = 0; i < I; i++)
+            for (int j = 0; j < PW; j++) {
+                const int o = p * PW + j;
+                Wp[((int64_t)p * I + i) * PW + j] = o < O ? W[(int64_t)o * I + i] : 0.0f;
+            }
+}
+
+/* One tile: rows x[0..MR-1] (ldx apart) times panel w -> y[m, 0..cols-1] (ldy apart),
+   + bias, or += that (`accumulate`: the residual stream's add, fused). Inlined with MR a
+   constant, so the loops over m unroll and the 2*MR sums stay in registers. */
+static inline __attribute__((always_inline)) void tile(
+        const float *x, int64_t ldx, const float *w, int I, const float *bias, int cols,
+        float *y, int64_t ldy, int accumulate, const int MR) {
+    vp a[MAXR], b[MAXR];
+    for (int m = 0; m < MR; m++) { a[m] = (vp){0}; b[m] = (vp){0}; }
+    for (int i = 0; i < I; i++) {
+        const vp w0 = loadp(w + (int64_t)i * PW), w1 = loadp(w + (int64_t)i * PW + PW / 2);
+        for (int m = 0; m < MR; m++) {
+            const float s = x[m * ldx + i];
+            a[m] += s * w0;
+            b[m] += s * w1;
         }
     }
-    for (int n = 0; n < NB; n++) {
-        float s = hsum8(a[n] + c[n]);
-        for (int j = i; j < I; j++) s += w[j] * x[n * ldx + j];
-        out[n] = s;
+    for (int m = 0; m < MR; m++) {
+        float out[PW];
+        memcpy(out, &a[m], sizeof a[m]);
+        memcpy(out + PW / 2, &b[m], sizeof b[m]);
+        float *ym = y + m * ldy;
+        for (int j = 0; j < cols; j++) {
+            const float v = out[j] + (bias ? bias[j] : 0.0f);
+            ym[j] = accumulate ? ym[j] + v : v;
+        }
     }
 }
 
-/* y = x @ W^T + bias, or y += that (`accumulate`: the residual stream's add, fused) */
-static void linear_rows(const float *x, const float *W, const float *bias, int N, int O, int I,
-                        float *y, int accumulate, int threads) {
+#define TILE(MR) tile(xs, I, w, I, bs, cols, ys, O, accumulate, MR)
+
+/* y = x @ W^T + bias, or y += that, with W packed by pack_panels */
+static void linear_rows(const float *x, const float *Wp, const float *bias, int N, int O,
+                        int I, float *y, int accumulate, int threads) {
+    const int P = (O + PW - 1) / PW;
     #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(static)
-    for (int o = 0; o < O; o++) {
-        const float *w = W + (int64_t)o * I;
-        const float b = bias ? bias[o] : 0.0f;
-        for (int n0 = 0; n0 < N; n0 += 4) {  /* 4 rows of x per pass; the row stays in L1 */
-            float out[4];
-            const float *xs = x + (int64_t)n0 * I;
-            switch (N - n0 < 4 ? N - n0 : 4) {
-                case 1: dot_rows(w, xs, I, I, 1, out); break;
-                case 2: dot_rows(w, xs, I, I, 2, out); break;
-                case 3: dot_rows(w, xs, I, I, 3, out); break;
-                default: dot_rows(w, xs, I, I, 4, out); break;
+    for (int p = 0; p < P; p++) {  /* static: each thread a contiguous range of panels */
+        const float *w = Wp + (int64_t)p * I * PW;
+        const float *bs = bias ? bias + p * PW : NULL;
+        const int cols = O - p * PW < PW ? O - p * PW : PW;
+        for (int n = 0; n < N;) {
+            /* tiles of MAXR rows; a rest of more than MAXR split in two near-equal tiles */
+            int r = N - n;
+            if (r > MAXR) r = (r >= 2 * MAXR || r % MAXR == 0) ? MAXR : (r + 1) / 2;
+            const float *xs = x + (int64_t)n * I;
+            float *ys = y + (int64_t)n * O + p * PW;
+            switch (r) {
+                case 1: TILE(1); break;
+                case 2: TILE(2); break;
+                case 3: TILE(3); break;
+                case 4: TILE(4); break;
+                case 5: TILE(5); break;
+#if MAXR > 6
+                case 6: TILE(6); break;
+                case 7: TILE(7); break;
+                case 8: TILE(8); break;
+                case 9: TILE(9); break;
+                case 10: TILE(10); break;
+                case 11: TILE(11); break;
+#endif
+                default: TILE(MAXR); break;
             }
-            for (int n = 0; n < 4 && n0 + n < N; n++) {
-                float *yo = y + (int64_t)(n0 + n) * O + o;
-                *yo = accumulate ? *yo + (out[n] + b) : out[n] + b;
-            }
+            n += r;
         }
     }
 }
 
-void rows_linear(const float *x, const float *W, const float *bias, int N, int O, int I,
+void rows_linear(const float *x, const float *Wp, const float *bias, int N, int O, int I,
                  float *y, int threads) {
-    linear_rows(x, W, bias, N, O, I, y, 0, threads);
+    linear_rows(x, Wp, bias, N, O, I, y, 0, threads);
 }
 
 

@@ -16,8 +16,8 @@ tests/test_decode_kernel.py checks the kernel against `paged._attend` on ragged 
 tables and token-exact against Hugging Face `generate`. docs/benchmarks.md, "Decode
 attention", measures both.
 
-Building: `cc -O3 -march=native -fopenmp -shared -fPIC` into `$MINSERVE_CACHE_DIR/kernels/`
-(about a second), under a name that hashes the source, the compiler and the CPU, so a
+Building: `cc -O3 -march=native -fopenmp -ffp-contract=fast -shared -fPIC` into `$MINSERVE_CACHE_DIR/kernels/`
+(about a second), under a name that hashes the source, the flags, the compiler and the CPU, so a
 cache directory shared between machines never hands one CPU another's instructions.
 The `.so` has no Python or torch headers in it: plain C functions taking pointers.
 ctypes releases the GIL while they run, as torch's own operators do.
@@ -34,12 +34,16 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 SOURCE = Path(__file__).with_name("decode_kernel.c")
 MODES = ("torch", "kernel", "auto")
-FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC"]
+# -ffp-contract=fast: a * b + c as one fused multiply-add where the CPU has one. ISO C
+# modes (-std=c11) turn that off, and the matmul's inner loop then takes two instructions
+# for each one: 1.1-1.2x slower at 8-32 rows here. Rounds once instead of twice.
+FLAGS = ["-O3", "-std=c11", "-ffp-contract=fast", "-shared", "-fPIC"]
 # Tried in this order until one builds: this CPU's vector instructions (-march=native)
 # and threads (-fopenmp: the .so then uses the OpenMP runtime torch has already loaded,
 # the same thread pool), then without either.
@@ -78,9 +82,19 @@ class Step(ctypes.Structure):
                                                       "gu", "act"))]
 
 
+class Panels(NamedTuple):
+    """A weight (out, in) packed for `DecodeKernel.linear`: `data` (ceil(out / PW), in, PW)
+    float32, panel p holding output columns p*PW .. p*PW+PW-1 side by side for each input
+    (decode_kernel.c, part 2), the last panel padded with zeros."""
+
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+
+
 class DecodeKernel:
     """The C functions, bound: `attend(q, k, v, tables, lengths, scale, block_size)`,
-    `linear(x, weight, bias)`, `rms_norm(x, weight, eps)`, `decode_layers(...)`, and the
+    `pack(weight)` and `linear(x, packed, bias)`, `rms_norm(x, weight, eps)`, `decode_layers(...)`, and the
     pieces of a step of more rows (`step`, `rope_scores`, `values_of`). Each
     runs on torch's intra-op thread count (`torch.get_num_threads()`, read at every call,
     as torch's own operators do)."""
@@ -95,6 +109,10 @@ class DecodeKernel:
         self._values.argtypes = common + [P, i32]
         self._linear = lib.rows_linear
         self._linear.argtypes = [P, P, P, i32, i32, i32, P, i32]
+        self._pack = lib.pack_panels
+        self._pack.argtypes = [P, i32, i32, P]
+        lib.panel_width.restype = i32
+        self.panel_width = lib.panel_width()  # PW: output columns a panel holds
         self._norm = lib.rms_norm
         self._norm.argtypes = [P, P, i32, i32, ctypes.c_float, P]
         self._layers = lib.decode_layers
@@ -103,7 +121,7 @@ class DecodeKernel:
         self._rope_scores.argtypes = [ctypes.POINTER(Step), P, P, P]
         self._values_of = lib.decode_values_of
         self._values_of.argtypes = [ctypes.POINTER(Step), P, P, P]
-        for f in (self._scores, self._values, self._linear, self._norm, self._layers,
+        for f in (self._scores, self._values, self._linear, self._pack, self._norm, self._layers,
                   self._rope_scores, self._values_of):
             f.restype = None
 
@@ -130,17 +148,29 @@ class DecodeKernel:
                      lengths.data_ptr(), *dims, out.data_ptr(), threads)
         return out  # (B, H, D)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+    def pack(self, weight: torch.Tensor) -> Panels:
+        """weight (out, in), float32 on the CPU -> a copy in the panels `linear` reads
+        (decode_kernel.c, `pack_panels`): (ceil(out / PW), in, PW), PW = `panel_width`."""
+        n_out, n_in = weight.shape
+        assert weight.dtype == torch.float32 and weight.device.type == "cpu"
+        weight = weight.detach().contiguous()
+        data = torch.empty(-(-n_out // self.panel_width), n_in, self.panel_width)
+        self._pack(weight.data_ptr(), n_out, n_in, data.data_ptr())
+        return Panels(data, n_out, n_in)
+
+    def linear(self, x: torch.Tensor, weight: Panels,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x (N, in) @ weight (out, in).T + bias (out,) -> (N, out), float32 on the CPU:
-        F.linear, read the way a few rows read fastest (decode_kernel.c, `rows_linear`)."""
+        """x (N, in) @ W (out, in).T + bias (out,) -> (N, out), float32 on the CPU, with W
+        as `pack` returned it: F.linear, read the way a decode step's rows read fastest
+        (decode_kernel.c, `rows_linear`)."""
         rows, n_in = x.shape
-        n_out = weight.shape[0]
+        n_out = weight.out_features
         x = x.contiguous()
-        assert weight.shape[1] == n_in and weight.is_contiguous() and x.dtype == torch.float32
+        assert weight.in_features == n_in and x.dtype == torch.float32
         assert bias is None or (bias.shape == (n_out,) and bias.is_contiguous())
         y = torch.empty(rows, n_out)
-        self._linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+        self._linear(x.data_ptr(), weight.data.data_ptr(),
+                     None if bias is None else bias.data_ptr(),
                      rows, n_out, n_in, y.data_ptr(), torch.get_num_threads())
         return y  # (N, out)
 
@@ -174,8 +204,8 @@ class DecodeKernel:
     def layer_table(layers: list[dict], pools: list[tuple[torch.Tensor, torch.Tensor]]
                     ) -> ctypes.Array:
         """The C `Layer` array of a forward's layers: each a dict of "ln1", "ln2" (weight
-        tensors) and "qkv", "o", "gate_up", "down" (objects with a contiguous float32
-        `.weight` and `.bias` or None), with its layer's (K, V) pools. Pointers only: the
+        tensors) and "qkv", "o", "gate_up", "down" (objects with `.panels`, the weight as
+        `pack` returns it, and `.bias`, contiguous or None), with its layer's (K, V) pools. Pointers only: the
         tensors must outlive the array (the runner and the storage hold them)."""
         def ptr(t):
             return None if t is None else t.data_ptr()
@@ -183,7 +213,7 @@ class DecodeKernel:
         table = (Layer * len(layers))()
         for entry, w, (k_pool, v_pool) in zip(table, layers, pools):
             for name in ("qkv", "o", "gate_up", "down"):
-                setattr(entry, name, ptr(w[name].weight))
+                setattr(entry, name, ptr(w[name].panels.data))
                 setattr(entry, name + "_bias", ptr(w[name].bias))
             entry.ln1, entry.ln2 = ptr(w["ln1"]), ptr(w["ln2"])
             entry.k_pool, entry.v_pool = ptr(k_pool), ptr(v_pool)
@@ -270,7 +300,8 @@ def _load(cc: str) -> DecodeKernel:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     except OSError as e:  # not there, not executable
         raise RuntimeError(f"the C compiler {cc} does not run: {e}") from None
-    key = hashlib.sha256(src + version.encode() + _cpu_id().encode()).hexdigest()[:16]
+    flags = repr((FLAGS, EXTRA_FLAGS)).encode()  # a change of flags is a new build
+    key = hashlib.sha256(src + flags + version.encode() + _cpu_id().encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"decode_kernel-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
