@@ -297,3 +297,26 @@ def test_attention_bench_times_both_ways_and_checks_they_agree():
 
     r = layer_times(2, rounds=3)
     assert set(r) == {"torch", "kernel"} and min(r.values()) > 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(xs=st.lists(st.floats(-87.25, 88.25, width=32), min_size=1, max_size=40))
+def test_the_kernels_exp_is_torch_exp_to_a_tenth_of_a_millionth(xs):
+    """decode_kernel.c's `exp8` (its softmax and SiLU): relative error under 1e-7 over
+    the range it does not clamp, any count of floats (8 at a time, then a padded tail)."""
+    x = torch.tensor(xs, dtype=torch.float32)
+    got = decode_kernel.load().exp(x).double()
+    want = torch.exp(x.double())
+    assert ((got - want).abs() / want).max() < 1e-7
+
+
+def test_the_kernels_exp_clamps_past_the_float_range_and_keeps_nan():
+    """Below -87.3 exp comes out about 1e-38 (no denormals, never negative), above 88.3
+    about 2e38 (never inf: SiLU divides by 1 + exp(-g)); a NaN stays NaN."""
+    x = torch.tensor([float("-inf"), -1e30, -100.0, 100.0, 1e30, float("inf"), float("nan"),
+                      0.0, 1.0])
+    y = decode_kernel.load().exp(x)
+    assert (y[:3] > 0).all() and (y[:3] < 2e-38).all()
+    assert torch.isfinite(y[3:6]).all() and (y[3:6] > 1e38).all()
+    assert torch.isnan(y[6]) and y[7] == 1.0
+    torch.testing.assert_close(y[8], torch.tensor(torch.e, dtype=torch.float32))

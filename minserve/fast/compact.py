@@ -275,12 +275,11 @@ class CompactLlama:
     def decode_rows(self, ids: torch.Tensor, positions: torch.Tensor,
                     ctx: PagedForward) -> torch.Tensor:
         """The forward below for a decode step of more rows than `decode_in_c` takes: the
-        four matmuls of each layer stay in oneDNN (`Linear`, faster than the C loop from
-        about 4 rows on), and what lies between them is 4 C calls (decode_kernel.c, part
-        4) and 4 PyTorch operators instead of the loop's ~25. The softmax and SiLU stay
-        PyTorch's: their exp is vectorised and threaded, and a scalar expf over every
-        (row, head, key) or (row, feature) cost more at 8-32 rows than it saved.
-        ids, positions (B, 1) -> logits (B, 1, V)."""
+        four matmuls of each layer stay `Linear`'s (the C matmul on panels up to
+        `Linear.PANEL_ROWS` rows, oneDNN above), and what lies between them is 3 C calls
+        (decode_kernel.c, part 4: the norms, and RoPE, the K/V write, scores, softmax and
+        values in one) and 2 PyTorch operators (SiLU, its product) instead of the loop's
+        ~25. ids, positions (B, 1) -> logits (B, 1, V)."""
         B = ids.shape[0]
         g, K = ctx.groups[0], self.kernel
         H, D = self.num_heads, self.head_dim
@@ -294,9 +293,7 @@ class CompactLlama:
         for i, w in enumerate(self.layers):
             k_pool, v_pool = ctx.storage.flat(i)  # (H_kv, num_slots, D) each
             h = K.rms_norm(x, w["ln1"], self.eps, out=buf["h"])  # (B, E)
-            K.rope_scores(step, w["qkv"](h), k_pool, v_pool)  # -> buf["scores"] (B, H, L)
-            probs = torch.softmax(buf["scores"], dim=-1)  # (B, H, L): 0 past each row's end
-            att = K.values_of(step, probs, v_pool, buf["att"])  # (B, H, D)
+            att = K.attend_step(step, w["qkv"](h), k_pool, v_pool, buf["att"])  # (B, H, D)
             x += w["o"](att.view(B, H * D))  # (B, E)
             h = K.rms_norm(x, w["ln2"], self.eps, out=buf["h"])
             gate_up = w["gate_up"](h)  # (B, 2I)

@@ -1,10 +1,10 @@
 /* A decode step's two costly parts in C: minserve's one C file.
 
    1. Attention over block tables, read in place (`decode_scores`, `decode_values`).
-   2. The weight matmuls of a step of a few rows (`rows_linear`).
+   2. The weight matmuls of a decode step (`rows_linear`, on weights packed in panels).
    3. A whole decode step of a few rows (`decode_layers`).
-   4. What lies between the matmuls of a decode step of more rows (`decode_rope_scores`,
-      `decode_values_of`, `rms_norm`).
+   4. What lies between the matmuls of a decode step of more rows (`decode_attend`,
+      `rms_norm`).
 
    1. What it computes is `paged._attend` for T = 1 (one new token per row), the readable
    PyTorch version and the reference this kernel is tested against
@@ -55,10 +55,128 @@ static inline float hsum8(v8 x) {  /* a tree of adds, not a chain of 7 dependent
     return (s[0] + s[2]) + (s[1] + s[3]);
 }
 
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* exp of 8 floats, for the softmax and SiLU of parts 3 and 4: Cephes' expf, vectorised.
+   x = k ln2 + r with k an integer and |r| <= ln2/2 (ln2 in two parts, so k ln2 is exact
+   to float precision), exp(r) by a degree-7 polynomial, then 2^k put in the exponent
+   bits. Relative error under 1e-7 (PyTorch's own vectorised exp, Sleef's: under 7e-8);
+   tests/test_decode_kernel.py compares it with torch.exp over the float range. x is
+   clamped to [-87.3, 88.3] first: below, exp(x) comes out about 1e-38 instead of a
+   denormal or 0 (a softmax's sum is at least 1, so such a term changes nothing); above,
+   about 2e38 instead of inf (SiLU's g / (1 + exp(-g)) is then -0 either way). A NaN
+   stays NaN. */
+static inline v8 exp8(v8 x) {
+    const v8 lo = (v8){0} - 87.3f, hi = (v8){0} + 88.3f;
+    const v8i below = x < lo, above = x > hi;  /* -1 where true, 0 where not */
+    x = (v8)(((v8i)x & ~below) | ((v8i)lo & below));
+    x = (v8)(((v8i)x & ~above) | ((v8i)hi & above));
+    const v8 magic = (v8){0} + 12582912.0f;   /* 1.5 * 2^23: adding it rounds to an integer */
+    const v8 k = (x * 1.44269504088896341f + magic) - magic;  /* round(x / ln2) */
+    const v8 r = (x - k * 0.693359375f) - k * -2.12194440e-4f;  /* x - k ln2, |r| <= 0.35 */
+    v8 p = (v8){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;                  /* exp(r) */
+    const v8i e = (__builtin_convertvector(k, v8i) + 127) << 23;  /* 2^k as a float's bits */
+    return p * (v8)e;
+}
+
+/* y = exp8(x) for n floats (tests compare it with torch.exp; the kernel's own callers
+   inline exp8) */
+void exp_floats(const float *x, int64_t n, float *y) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) { const v8 e = exp8(load8(x + i)); memcpy(y + i, &e, sizeof e); }
+    if (i < n) {
+        float tail[8] = {0};
+        memcpy(tail, x + i, sizeof(float) * (size_t)(n - i));
+        const v8 e = exp8(load8(tail));
+        memcpy(y + i, &e, sizeof(float) * (size_t)(n - i));
+    }
+}
+
+/* softmax of n floats in place (n >= 1); the largest subtracted first, as PyTorch does */
+static void softmax_inplace(float *p, int64_t n) {
+    float mx = p[0];
+    for (int64_t t = 1; t < n; t++) mx = p[t] > mx ? p[t] : mx;
+    v8 acc = {0};
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const v8 e = exp8(load8(p + t) - mx);
+        memcpy(p + t, &e, sizeof e);
+        acc += e;
+    }
+    float sum = hsum8(acc);
+    if (t < n) {  /* the last 1-7: through the same exp, padded */
+        float tail[8] = {0};
+        memcpy(tail, p + t, sizeof(float) * (size_t)(n - t));
+        v8 e = exp8(load8(tail) - mx);
+        memcpy(tail, &e, sizeof e);
+        for (int64_t j = t; j < n; j++) { p[j] = tail[j - t]; sum += tail[j - t]; }
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t j = 0; j < n; j++) p[j] *= inv;
+}
+
 static inline float dot(const float *a, const float *b, int D) {
     v8 acc = {0};
     for (int d = 0; d < D; d += 8) acc += load8(a + d) * load8(b + d);
     return hsum8(acc);
+}
+
+/* The G query heads qh (G, D) that share one KV head, over one row's first `len` keys
+   (its block table `table`, the head's slots `kh`) -> out (G, L): out[g, t] = scale *
+   q_g . K[t], t < len. Block after block, each block's keys serve all G heads. */
+static void kv_head_scores(const float *qh, const float *kh, const int64_t *table,
+                           int64_t len, int G, int D, int S, int64_t L, float scale,
+                           float *out) {
+    for (int j = 0; (int64_t)j * S < len; j++) {   /* block j of the row's table */
+        const float *kb = kh + table[j] * S * D;  /* (S, D) */
+        const int n = len - (int64_t)j * S < S ? (int)(len - (int64_t)j * S) : S;
+        for (int g = 0; g < G; g++) {
+            const float *qv = qh + g * D;
+            float *o = out + g * L + (int64_t)j * S;
+            int s = 0;
+            for (; s + 4 <= n; s += 4) {  /* 4 keys at a time: 4 independent sums */
+                const float *k0 = kb + s * D;
+                v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                for (int d = 0; d < D; d += 8) {
+                    const v8 qd = load8(qv + d);
+                    a0 += qd * load8(k0 + d);
+                    a1 += qd * load8(k0 + D + d);
+                    a2 += qd * load8(k0 + 2 * D + d);
+                    a3 += qd * load8(k0 + 3 * D + d);
+                }
+                o[s] = hsum8(a0) * scale;
+                o[s + 1] = hsum8(a1) * scale;
+                o[s + 2] = hsum8(a2) * scale;
+                o[s + 3] = hsum8(a3) * scale;
+            }
+            for (; s < n; s++) o[s] = dot(qv, kb + s * D, D) * scale;
+        }
+    }
+}
+
+/* o (D,) = sum over t < len of p[t] * V[t], one query head over one row's values (its
+   block table `table`, the KV head's slots `vh`) */
+static void head_values(const float *p, const float *vh, const int64_t *table, int64_t len,
+                        int D, int S, float *o) {
+    for (int d0 = 0; d0 < D; d0 += 64) {  /* 64 floats of the output, in registers */
+        const int w = D - d0 < 64 ? D - d0 : 64;
+        v8 acc[8] = {{0}};
+        for (int j = 0; (int64_t)j * S < len; j++) {
+            const float *vb = vh + table[j] * S * D + d0;
+            const int n = len - (int64_t)j * S < S ? (int)(len - (int64_t)j * S) : S;
+            for (int s = 0; s < n; s++) {
+                const float pw = p[(int64_t)j * S + s];
+                for (int i = 0; i < w / 8; i++) acc[i] += pw * load8(vb + s * D + 8 * i);
+            }
+        }
+        memcpy(o + d0, acc, sizeof(float) * w);
+    }
 }
 
 /* scores[b, h, t] = scale * q[b, h] . K[h / G][slot of token t of row b], t < lens[b] */
@@ -77,31 +195,7 @@ void decode_scores(const float *q, const float *k_pool, const int64_t *tables,
         float *out = scores + ((int64_t)b * H + hk * G) * L;      /* (G, L) */
         for (int g = 0; g < G; g++)
             for (int64_t t = len; t < L; t++) out[g * L + t] = -INFINITY;
-        for (int j = 0; (int64_t)j * S < len; j++) {   /* block j of the row's table */
-            const float *kb = kh + tables[(int64_t)b * M + j] * S * D;  /* (S, D) */
-            const int n = len - (int64_t)j * S < S ? (int)(len - (int64_t)j * S) : S;
-            for (int g = 0; g < G; g++) {
-                const float *qv = qh + g * D;
-                float *o = out + g * L + (int64_t)j * S;
-                int s = 0;
-                for (; s + 4 <= n; s += 4) {  /* 4 keys at a time: 4 independent sums */
-                    const float *k0 = kb + s * D;
-                    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-                    for (int d = 0; d < D; d += 8) {
-                        const v8 qd = load8(qv + d);
-                        a0 += qd * load8(k0 + d);
-                        a1 += qd * load8(k0 + D + d);
-                        a2 += qd * load8(k0 + 2 * D + d);
-                        a3 += qd * load8(k0 + 3 * D + d);
-                    }
-                    o[s] = hsum8(a0) * scale;
-                    o[s + 1] = hsum8(a1) * scale;
-                    o[s + 2] = hsum8(a2) * scale;
-                    o[s + 3] = hsum8(a3) * scale;
-                }
-                for (; s < n; s++) o[s] = dot(qv, kb + s * D, D) * scale;
-            }
-        }
+        kv_head_scores(qh, kh, tables + (int64_t)b * M, len, G, D, S, L, scale, out);
     }
 }
 
@@ -116,21 +210,8 @@ void decode_values(const float *probs, const float *v_pool, const int64_t *table
         const int b = bh / H, h = bh % H;
         const int64_t len = lens[b];
         const float *vh = v_pool + (int64_t)(h / G) * num_slots * D;
-        const float *p = probs + ((int64_t)b * H + h) * L;  /* (L,) */
-        float *o = out + ((int64_t)b * H + h) * D;          /* (D,) */
-        for (int d0 = 0; d0 < D; d0 += 64) {  /* 64 floats of the output, in registers */
-            const int w = D - d0 < 64 ? D - d0 : 64;
-            v8 acc[8] = {{0}};
-            for (int j = 0; (int64_t)j * S < len; j++) {
-                const float *vb = vh + tables[(int64_t)b * M + j] * S * D + d0;
-                const int n = len - (int64_t)j * S < S ? (int)(len - (int64_t)j * S) : S;
-                for (int s = 0; s < n; s++) {
-                    const float pw = p[(int64_t)j * S + s];
-                    for (int i = 0; i < w / 8; i++) acc[i] += pw * load8(vb + s * D + 8 * i);
-                }
-            }
-            memcpy(o + d0, acc, sizeof(float) * w);
-        }
+        head_values(probs + ((int64_t)b * H + h) * L, vh, tables + (int64_t)b * M, len, D, S,
+                    out + ((int64_t)b * H + h) * D);
     }
 }
 
@@ -349,32 +430,34 @@ static void rope_and_write(const Step *st, const float *qkv, float *k_pool, floa
     }
 }
 
-/* part 4's (below): the attention block around the softmax, which this part shares */
-void decode_rope_scores(const Step *st, const float *qkv, float *k_pool, float *v_pool);
-void decode_values_of(const Step *st, const float *probs, const float *v_pool, float *att);
+/* part 4's (below): the attention block between the q/k/v and o matmuls */
+void decode_attend(const Step *st, const float *qkv, float *k_pool, float *v_pool, float *att);
+
+/* silu(g) * u for the rows' gate | up (N, 2I) -> act (N, I), 8 at a time through exp8 */
+static void silu_mul(const float *gu, int N, int I, float *act) {
+    for (int n = 0; n < N; n++) {
+        const float *g = gu + (int64_t)n * 2 * I, *u = g + I;
+        float *a = act + (int64_t)n * I;
+        int i = 0;
+        for (; i + 8 <= I; i += 8) {
+            const v8 gv = load8(g + i);
+            const v8 y = gv / (1.0f + exp8((v8){0} - gv)) * load8(u + i);
+            memcpy(a + i, &y, sizeof y);
+        }
+        for (; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
 
 static void decode_layer(const Layer *w, const Step *st) {
     const int N = st->N, E = st->E, H = st->H, H_kv = st->H_kv, D = st->D, I = st->I;
     const int QKV = (H + 2 * H_kv) * D;
-    const int64_t L = (int64_t)st->M * st->S;
     rms_norm(st->x, w->ln1, N, E, st->eps, st->h);
     linear_rows(st->h, w->qkv, w->qkv_bias, N, QKV, E, st->qkv, 0, st->threads);
-    decode_rope_scores(st, st->qkv, w->k_pool, w->v_pool);
-    for (int64_t r = 0; r < (int64_t)N * H; r++) {  /* softmax over each (row, head)'s L */
-        float *p = st->scores + r * L, mx = -INFINITY, sum = 0.0f;
-        for (int64_t t = 0; t < L; t++) mx = p[t] > mx ? p[t] : mx;
-        for (int64_t t = 0; t < L; t++) { p[t] = expf(p[t] - mx); sum += p[t]; }
-        for (int64_t t = 0; t < L; t++) p[t] /= sum;
-    }
-    decode_values_of(st, st->scores, w->v_pool, st->att);
+    decode_attend(st, st->qkv, w->k_pool, w->v_pool, st->att);
     linear_rows(st->att, w->o, w->o_bias, N, E, H * D, st->x, 1, st->threads);
     rms_norm(st->x, w->ln2, N, E, st->eps, st->h);
     linear_rows(st->h, w->gate_up, w->gate_up_bias, N, 2 * I, E, st->gu, 0, st->threads);
-    for (int n = 0; n < N; n++)
-        for (int i = 0; i < I; i++) {
-            const float g = st->gu[(int64_t)n * 2 * I + i], u = st->gu[(int64_t)n * 2 * I + I + i];
-            st->act[(int64_t)n * I + i] = g / (1.0f + expf(-g)) * u;
-        }
+    silu_mul(st->gu, N, I, st->act);
     linear_rows(st->act, w->down, w->down_bias, N, E, I, st->x, 1, st->threads);
 }
 
@@ -385,24 +468,37 @@ void decode_layers(const Layer *layers, int num_layers, const Step *st) {
 
 /* ---- 4. Between the matmuls of a decode step of more rows ----------------------------
 
-   From about 4 rows on, oneDNN's prepacked matmul beats the C loop of part 2, so a step
-   of more rows keeps its matmuls in oneDNN (fast/compact.py, `decode_rows`) and does
-   the attention block between them here: RoPE, the K/V write and the scores
-   (`decode_rope_scores`), then, after PyTorch's softmax, the values (`decode_values_of`),
-   with `rms_norm` (above) for the norms. The softmax and the MLP's SiLU stay PyTorch's
-   there: at 8-32 rows a scalar expf over every (row, head, key) or (row, feature) cost
-   more than the operators it saved. `st` carries the sizes, the rows and the q and
-   scores scratch; its x, h, qkv, att, gu and act are not read by these. */
+   A step of more rows (fast/compact.py, `decode_rows`) keeps its matmuls in Python's
+   hands (`compact.Linear`: part 2's C matmul up to 64 rows, oneDNN above) and does the
+   attention block between the q/k/v and o matmuls here, in one call (`decode_attend`):
+   RoPE and the K/V write, then for each (row, KV head) the scores of its G query heads,
+   their softmax and their values, one after the other while the scores are in cache,
+   with `rms_norm` (above) for the norms. The MLP's SiLU stays PyTorch's there (one
+   vectorised operator over all rows). `st` carries the sizes, the rows and the q and
+   scores scratch; its x, h, qkv, gu and act are not read by these.
 
-/* RoPE, the new K/V into this layer's pools, and the scores (into st->scores) */
-void decode_rope_scores(const Step *st, const float *qkv, float *k_pool, float *v_pool) {
+   The softmax runs over each row's `len` keys only (part 1's pads the rest with -inf
+   for PyTorch's), with exp8's exp: to float rounding PyTorch's softmax. */
+
+/* RoPE, the new K/V into this layer's pools, then att (N, H, D) = softmax(scale q.K) V */
+void decode_attend(const Step *st, const float *qkv, float *k_pool, float *v_pool, float *att) {
     rope_and_write(st, qkv, k_pool, v_pool);
-    decode_scores(st->q, k_pool, st->tables, st->lens, st->N, st->H, st->H_kv, st->D,
-                  st->num_slots, st->S, st->M, st->scale, st->scores, st->threads);
-}
-
-/* att (N, H, D) = probs (N, H, M*S) @ the rows' V */
-void decode_values_of(const Step *st, const float *probs, const float *v_pool, float *att) {
-    decode_values(probs, v_pool, st->tables, st->lens, st->N, st->H, st->H_kv, st->D,
-                  st->num_slots, st->S, st->M, att, st->threads);
+    const int H = st->H, H_kv = st->H_kv, D = st->D, S = st->S, M = st->M, G = H / H_kv;
+    const int64_t L = (int64_t)M * S;
+    /* every (row, KV head) pair writes its own G rows of scores and of att */
+    #pragma omp parallel for num_threads(st->threads) if(st->threads > 1) schedule(dynamic)
+    for (int bh = 0; bh < st->N * H_kv; bh++) {
+        const int b = bh / H_kv, hk = bh % H_kv;
+        const int64_t len = st->lens[b];
+        const int64_t *table = st->tables + (int64_t)b * M;
+        const int64_t first = (int64_t)b * H + hk * G;  /* its first query head's (b, h) */
+        float *p = st->scores + first * L;             /* (G, L) */
+        kv_head_scores(st->q + first * D, k_pool + (int64_t)hk * st->num_slots * D, table, len,
+                       G, D, S, L, st->scale, p);
+        for (int g = 0; g < G; g++) {
+            softmax_inplace(p + g * L, len);
+            head_values(p + g * L, v_pool + (int64_t)hk * st->num_slots * D, table, len, D, S,
+                        att + (first + g) * D);
+        }
+    }
 }

@@ -95,7 +95,7 @@ class Panels(NamedTuple):
 class DecodeKernel:
     """The C functions, bound: `attend(q, k, v, tables, lengths, scale, block_size)`,
     `pack(weight)` and `linear(x, packed, bias)`, `rms_norm(x, weight, eps)`, `decode_layers(...)`, and the
-    pieces of a step of more rows (`step`, `rope_scores`, `values_of`). Each
+    pieces of a step of more rows (`step`, `attend_step`). Each
     runs on torch's intra-op thread count (`torch.get_num_threads()`, read at every call,
     as torch's own operators do)."""
 
@@ -117,12 +117,12 @@ class DecodeKernel:
         self._norm.argtypes = [P, P, i32, i32, ctypes.c_float, P]
         self._layers = lib.decode_layers
         self._layers.argtypes = [ctypes.POINTER(Layer), i32, ctypes.POINTER(Step)]
-        self._rope_scores = lib.decode_rope_scores
-        self._rope_scores.argtypes = [ctypes.POINTER(Step), P, P, P]
-        self._values_of = lib.decode_values_of
-        self._values_of.argtypes = [ctypes.POINTER(Step), P, P, P]
+        self._exp = lib.exp_floats
+        self._exp.argtypes = [P, i64, P]
+        self._attend_step = lib.decode_attend
+        self._attend_step.argtypes = [ctypes.POINTER(Step), P, P, P, P]
         for f in (self._scores, self._values, self._linear, self._pack, self._norm, self._layers,
-                  self._rope_scores, self._values_of):
+                  self._attend_step, self._exp):
             f.restype = None
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -183,21 +183,24 @@ class DecodeKernel:
         self._norm(x.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps, y.data_ptr())
         return y
 
-    def rope_scores(self, step: Step, qkv: torch.Tensor, k_pool: torch.Tensor,
-                    v_pool: torch.Tensor) -> None:
-        """A decode step's layer between its q/k/v matmul and the softmax (decode_kernel.c,
-        part 4): RoPE, the rows' new K/V into the pools, the scores into the step's
-        scratch. qkv (N, (H + 2 H_kv) D) contiguous."""
-        assert qkv.is_contiguous() and qkv.shape[0] == step.N
-        self._rope_scores(ctypes.byref(step), qkv.data_ptr(), k_pool.data_ptr(),
-                          v_pool.data_ptr())
+    def exp(self, x: torch.Tensor) -> torch.Tensor:
+        """exp of every float of x, float32, the way the kernel's softmax and SiLU take it
+        (decode_kernel.c, `exp8`): to check it against torch.exp."""
+        x = x.contiguous()
+        assert x.dtype == torch.float32
+        y = torch.empty_like(x)
+        self._exp(x.data_ptr(), x.numel(), y.data_ptr())
+        return y
 
-    def values_of(self, step: Step, probs: torch.Tensor, v_pool: torch.Tensor,
-                  out: torch.Tensor) -> torch.Tensor:
-        """probs (N, H, M*S) contiguous, over the rows' V -> out (N, H, D)."""
-        assert probs.is_contiguous() and out.is_contiguous()
-        self._values_of(ctypes.byref(step), probs.data_ptr(), v_pool.data_ptr(),
-                        out.data_ptr())
+    def attend_step(self, step: Step, qkv: torch.Tensor, k_pool: torch.Tensor,
+                    v_pool: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """A decode step's attention block between its q/k/v and o matmuls
+        (decode_kernel.c, part 4): RoPE, the rows' new K/V into the pools, then softmax
+        of the scores over the rows' values -> out (N, H, D). qkv (N, (H + 2 H_kv) D)
+        contiguous; the step's scores scratch is overwritten."""
+        assert qkv.is_contiguous() and qkv.shape[0] == step.N and out.is_contiguous()
+        self._attend_step(ctypes.byref(step), qkv.data_ptr(), k_pool.data_ptr(),
+                          v_pool.data_ptr(), out.data_ptr())
         return out
 
     @staticmethod
