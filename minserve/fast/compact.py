@@ -17,7 +17,8 @@ This file is the same math with the plumbing taken out, in the style of nano-vll
   (H + 2*H_kv) * D x E matrix, gate and up into one 2*I x E matrix, so a layer does
   4 weight matmuls instead of 7 (one larger matmul beats several small ones, and
   saves their per-op overhead); each matmul reads its weight the way that is fastest
-  for the rows it has (`Linear`: a C loop at one or two rows, oneDNN above);
+  for the rows it has (`Linear`: a C matmul on weights packed in panels up to 64
+  rows, a decode step; oneDNN above, a prompt);
 * RoPE's cos/sin are computed once for every position up to `max_model_len` (with
   HF's own rope init function, so rope scaling such as "llama3" or "linear" comes out
   the same) and looked up by position: no rotary module per forward;
@@ -109,9 +110,11 @@ class CompactLlama:
     """
 
     # Decode steps of up to this many rows run every layer in C (`decode_in_c`), its
-    # matmuls included. At 3 rows the C matmul reads the weights about as fast as oneDNN
-    # and the step still saves its ~25 operators per layer: a 3-row tick took 0.78x the
-    # Python loop's; at 4 rows, 1.03x (both ways interleaved, one thread, load ~3).
+    # matmuls included; more rows go through `decode_rows`. Both now run the same C
+    # matmul and attention; they differ by the ~6 calls per layer `decode_rows` makes
+    # from Python. At 1 row `decode_in_c` took 20.4 ms a tick against 22.1; at 2-16 rows
+    # the two were within this machine's run-to-run noise (+-10 %) of each other
+    # (2 threads, 4 runs each way, alternating), so the threshold stayed where it was.
     STEP_IN_C_ROWS = 3
     # Rows of a forward (a prompt's tokens) that go through a layer's matmuls together:
     # a (512, 2I) block of the MLP is 6 MB for SmolLM2; oneDNN ran 512 rows of its four
