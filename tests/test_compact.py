@@ -130,6 +130,13 @@ def test_prepacked_linear_computes_what_f_linear_computes(bias, rows):
     torch.testing.assert_close(lin(xt), lin(x))
     plain = Linear(w.double(), None if b is None else b.double())  # no oneDNN: F.linear
     assert plain.packed is None and plain(x.double()).dtype == torch.float64
+    # the model's own weight, read as it is by one row; a strided one is not (panels instead)
+    own = Linear(w, b, decode_kernel.load(), plain=True)
+    strided = Linear(w.t().contiguous().t(), b, decode_kernel.load(), plain=True)
+    assert own.plain is not None and strided.plain is None
+    for lin in (own, strided):
+        torch.testing.assert_close(lin(x[:1]), torch.nn.functional.linear(x[:1], w, b),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_compact_leaves_the_hf_model_usable():

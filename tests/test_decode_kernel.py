@@ -90,6 +90,26 @@ def test_rows_linear_computes_f_linear_for_any_shape_and_thread_count(rows, n_ou
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+@settings(max_examples=40, deadline=None)
+@given(n_out=st.integers(1, 80), n_in=st.integers(1, 70), bias=st.booleans(),
+       threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
+def test_one_row_linear_computes_f_linear_on_the_weight_as_it_is(n_out, n_in, bias, threads,
+                                                                 seed):
+    """`one_row` (a step of one row reads the HF model's own weights, row after row): F.linear
+    to float rounding for widths that are no multiple of its 16-float steps (the scalar
+    tail), threads splitting the outputs."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(1, n_in, generator=g), torch.randn(n_out, n_in, generator=g)
+    b = torch.randn(n_out, generator=g) if bias else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = decode_kernel.load().one_row(x, w, b)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
 def test_packed_panels_hold_each_weight_once_and_zeros_past_the_last_column():
     """The panel layout itself: panel p, input i, lane j is W[p*PW + j, i]; lanes past the
     last output column are 0 (so the C matmul can read whole panels)."""
@@ -129,6 +149,11 @@ def test_a_decode_step_in_c_is_the_compact_forward_of_those_rows(family, B):
     from minserve.kv_cache import BlockManager
 
     model = tiny(family)
+    g = torch.Generator().manual_seed(B)
+    with torch.no_grad():  # HF starts biases at 0, where an offset into the wrong one hides
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                m.bias.normal_(0, 0.5, generator=g)
     kernel = decode_kernel.load()
     runner = CompactLlama(model, max_model_len=64, kernel=kernel)
     backends = [PagedBackend(model, BlockManager(16, 8, False), runner=runner, kernel=kernel)

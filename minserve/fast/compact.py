@@ -140,7 +140,7 @@ class CompactLlama:
         self.kernel = kernel
         self.layers = [self._fuse(layer, kernel) for layer in inner.layers]
         head = model.get_output_embeddings()  # Linear E -> V (tied to the embedding or not)
-        self.head = Linear(head.weight, head.bias, kernel)  # (V, E): a prepacked copy
+        self.head = Linear(head.weight, head.bias, kernel, plain=True)  # (V, E): packed copies
         self.cos, sin = self._rope_tables(inner.rotary_emb, max_model_len)  # (P, D) each
         # RoPE rotates x = [x1 | x2] into x * cos + [-x2 | x1] * sin (HF's rotate_half).
         # The same, with the minus sign moved into a table: x * cos + roll(x) * sin_signed,
@@ -163,16 +163,21 @@ class CompactLlama:
             return torch.cat([lin.bias if lin.bias is not None
                               else lin.weight.new_zeros(lin.out_features) for lin in linears])
 
+        hf = {"q": att.q_proj, "k": att.k_proj, "v": att.v_proj, "o": att.o_proj,
+              "gate": mlp.gate_proj, "up": mlp.up_proj, "down": mlp.down_proj}
         return {
+            # HF's own weights, (out, in), read row after row by a step of one row (no copy)
+            "plain": ({n: lin.weight.detach() for n, lin in hf.items()} if kernel is not None
+                      and all(Linear.plain_ok(lin.weight) for lin in hf.values()) else None),
             "ln1": layer.input_layernorm.weight,  # (E,)
             "qkv": Linear(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]),
                           cat_bias(att.q_proj, att.k_proj, att.v_proj), kernel),
             # ^ ((H + 2*H_kv) * D, E): rows 0..H*D-1 make q, then k, then v
-            "o": Linear(att.o_proj.weight, att.o_proj.bias, kernel),  # (E, H*D)
+            "o": Linear(att.o_proj.weight, att.o_proj.bias, kernel, plain=True),  # (E, H*D)
             "ln2": layer.post_attention_layernorm.weight,  # (E,)
             "gate_up": Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
                               cat_bias(mlp.gate_proj, mlp.up_proj), kernel),  # (2I, E)
-            "down": Linear(mlp.down_proj.weight, mlp.down_proj.bias, kernel),  # (E, I)
+            "down": Linear(mlp.down_proj.weight, mlp.down_proj.bias, kernel, plain=True),  # (E, I)
         }
 
     @staticmethod
@@ -314,8 +319,9 @@ class Linear:
     (`rows_linear`), on a copy of W packed once into panels of 16 or 32 output columns,
     each read as one sequential stream, the rows' sums in registers. There a matmul's
     time is mostly the time to read W: on the reference AMD EPYC it ran SmolLM2's
-    matmuls at 1 row at the speed of a plain sum of the weights, about 1.5x faster than
-    oneDNN, and at 8 rows in 0.70x oneDNN's time (`minserve bench linear`).
+    matmuls in 0.6-0.9x oneDNN's time at 1-64 rows (`minserve bench linear`). A row
+    alone, where W is the model's own tensor (`plain`), reads W as it is, row after
+    row (`DecodeKernel.one_row`), 5-10 % faster than the panels there.
 
     More rows (a prompt, a mixed batch): oneDNN with the weight reordered ONCE into its
     blocked layout (the op PyTorch's own compiler emits for a frozen linear layer on CPU,
@@ -333,10 +339,15 @@ class Linear:
     PANEL_ROWS = 64  # rows up to which the C matmul beat oneDNN here (bench linear)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 kernel: decode_kernel.DecodeKernel | None = None) -> None:
+                 kernel: decode_kernel.DecodeKernel | None = None, plain: bool = False) -> None:
+        """`plain`: W is the model's own tensor, kept alive by it: a row alone reads it as
+        it is (`DecodeKernel.one_row`) instead of the panels. Not for a fused weight
+        built for this Linear (holding it would keep a third copy)."""
         self.weight, self.bias = weight, bias  # (out, in), (out,) or None
         self.shape = tuple(weight.shape)  # (out, in)
         self.packed = self.panels = None
+        self.plain = weight.detach() if plain and kernel is not None and self.plain_ok(weight) \
+            else None
         plain_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
         self.kernel = kernel if plain_cpu else None
         if self.kernel is not None:  # a copy in panels, for the C matmul
@@ -348,7 +359,15 @@ class Linear:
                                                                   self.PACK_FOR_BATCH)
             self.weight = None  # the plain one stays with the HF model, which may free it
 
+    @staticmethod
+    def plain_ok(weight: torch.Tensor) -> bool:
+        """Whether the C kernel can read this weight as it is (one row's matmul)."""
+        return (weight.device.type == "cpu" and weight.dtype == torch.float32
+                and weight.is_contiguous())
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and self.plain is not None and x.shape[0] == 1:
+            return self.kernel.one_row(x, self.plain, self.bias)
         if self.kernel is not None and x.shape[0] <= self.PANEL_ROWS:
             return self.kernel.linear(x, self.panels, self.bias)
         if self.packed is None:

@@ -341,6 +341,35 @@ static void linear_rows(const float *x, const float *Wp, const float *bias, int 
     }
 }
 
+/* One row: y (O,) = W (O, I) x (I,) + bias, or y += that, W as it is (out, in), each
+   weight row read once, start to end, one row after the other, into two vector sums. At
+   one row nothing is reused, so a panel buys nothing, and on the reference EPYC this
+   plain order read the weights 5-10 % faster than the panels at one row (1 thread:
+   30.5-31.1 against 34.2-38.9 ms for SmolLM2's weights, interleaved). The compact
+   forward passes the HF model's own weights here, so it costs no copy. */
+static void row_linear(const float *x, const float *W, const float *bias, int O, int I,
+                       float *y, int accumulate, int threads) {
+    #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(static)
+    for (int o = 0; o < O; o++) {
+        const float *w = W + (int64_t)o * I;
+        v8 a = {0}, c = {0};
+        int i = 0;
+        for (; i + 16 <= I; i += 16) {
+            a += load8(w + i) * load8(x + i);
+            c += load8(w + i + 8) * load8(x + i + 8);
+        }
+        float v = hsum8(a + c);
+        for (; i < I; i++) v += w[i] * x[i];
+        v += bias ? bias[o] : 0.0f;
+        y[o] = accumulate ? y[o] + v : v;
+    }
+}
+
+void one_row_linear(const float *x, const float *W, const float *bias, int O, int I, float *y,
+                    int threads) {
+    row_linear(x, W, bias, O, I, y, 0, threads);
+}
+
 void rows_linear(const float *x, const float *Wp, const float *bias, int N, int O, int I,
                  float *y, int threads) {
     linear_rows(x, Wp, bias, N, O, I, y, 0, threads);
@@ -376,8 +405,11 @@ void rows_linear(const float *x, const float *Wp, const float *bias, int N, int 
 
 typedef struct {  /* one decoder layer as CompactLlama keeps it; a missing bias is NULL */
     const float *ln1, *qkv, *qkv_bias, *o, *o_bias, *ln2, *gate_up, *gate_up_bias, *down,
-        *down_bias;
+        *down_bias;  /* qkv, o, gate_up, down: packed in panels (part 2) */
     float *k_pool, *v_pool;  /* the layer's (H_kv, num_slots, D) pools */
+    /* the same weights as the HF model keeps them, (out, in), for a step of one row
+       (`row_linear`); all NULL: the panels at one row too */
+    const float *q_w, *k_w, *v_w, *o_w, *gate_w, *up_w, *down_w;
 } Layer;
 
 typedef struct {  /* one step: sizes, the rows, scratch the caller allocated */
@@ -448,17 +480,35 @@ static void silu_mul(const float *gu, int N, int I, float *act) {
     }
 }
 
+/* bias + offset, or NULL where there is no bias */
+static inline const float *at(const float *bias, int offset) { return bias ? bias + offset : NULL; }
+
 static void decode_layer(const Layer *w, const Step *st) {
     const int N = st->N, E = st->E, H = st->H, H_kv = st->H_kv, D = st->D, I = st->I;
-    const int QKV = (H + 2 * H_kv) * D;
+    const int QKV = (H + 2 * H_kv) * D, T = st->threads;
+    const int one = N == 1 && w->q_w;  /* one row: the plain weights, row after row */
     rms_norm(st->x, w->ln1, N, E, st->eps, st->h);
-    linear_rows(st->h, w->qkv, w->qkv_bias, N, QKV, E, st->qkv, 0, st->threads);
+    if (one) {  /* q, k, v side by side in st->qkv, as the fused matmul writes them */
+        row_linear(st->h, w->q_w, w->qkv_bias, H * D, E, st->qkv, 0, T);
+        row_linear(st->h, w->k_w, at(w->qkv_bias, H * D), H_kv * D, E, st->qkv + H * D, 0, T);
+        row_linear(st->h, w->v_w, at(w->qkv_bias, (H + H_kv) * D), H_kv * D, E,
+                   st->qkv + (H + H_kv) * D, 0, T);
+    } else {
+        linear_rows(st->h, w->qkv, w->qkv_bias, N, QKV, E, st->qkv, 0, T);
+    }
     decode_attend(st, st->qkv, w->k_pool, w->v_pool, st->att);
-    linear_rows(st->att, w->o, w->o_bias, N, E, H * D, st->x, 1, st->threads);
+    if (one) row_linear(st->att, w->o_w, w->o_bias, E, H * D, st->x, 1, T);
+    else linear_rows(st->att, w->o, w->o_bias, N, E, H * D, st->x, 1, T);
     rms_norm(st->x, w->ln2, N, E, st->eps, st->h);
-    linear_rows(st->h, w->gate_up, w->gate_up_bias, N, 2 * I, E, st->gu, 0, st->threads);
+    if (one) {
+        row_linear(st->h, w->gate_w, w->gate_up_bias, I, E, st->gu, 0, T);
+        row_linear(st->h, w->up_w, at(w->gate_up_bias, I), I, E, st->gu + I, 0, T);
+    } else {
+        linear_rows(st->h, w->gate_up, w->gate_up_bias, N, 2 * I, E, st->gu, 0, T);
+    }
     silu_mul(st->gu, N, I, st->act);
-    linear_rows(st->act, w->down, w->down_bias, N, E, I, st->x, 1, st->threads);
+    if (one) row_linear(st->act, w->down_w, w->down_bias, E, I, st->x, 1, T);
+    else linear_rows(st->act, w->down, w->down_bias, N, E, I, st->x, 1, T);
 }
 
 void decode_layers(const Layer *layers, int num_layers, const Step *st) {

@@ -63,12 +63,14 @@ def unsupported_reason(dtype: torch.dtype, device: torch.device, head_dim: int) 
 
 LAYER_FIELDS = ("ln1", "qkv", "qkv_bias", "o", "o_bias", "ln2", "gate_up", "gate_up_bias",
                 "down", "down_bias", "k_pool", "v_pool")
+PLAIN_FIELDS = ("q", "k", "v", "o", "gate", "up", "down")  # Layer's q_w ... down_w
 
 
 class Layer(ctypes.Structure):
     """decode_kernel.c's `Layer`: one decoder layer's weights and KV pools, as pointers."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in LAYER_FIELDS]
+    _fields_ = [(name, ctypes.c_void_p)
+                for name in (*LAYER_FIELDS, *(f"{p}_w" for p in PLAIN_FIELDS))]
 
 
 class Step(ctypes.Structure):
@@ -94,7 +96,8 @@ class Panels(NamedTuple):
 
 class DecodeKernel:
     """The C functions, bound: `attend(q, k, v, tables, lengths, scale, block_size)`,
-    `pack(weight)` and `linear(x, packed, bias)`, `rms_norm(x, weight, eps)`, `decode_layers(...)`, and the
+    `pack(weight)`, `linear(x, packed, bias)` and `one_row(x, weight, bias)`,
+    `rms_norm(x, weight, eps)`, `decode_layers(...)`, and the
     pieces of a step of more rows (`step`, `attend_step`). Each
     runs on torch's intra-op thread count (`torch.get_num_threads()`, read at every call,
     as torch's own operators do)."""
@@ -109,6 +112,8 @@ class DecodeKernel:
         self._values.argtypes = common + [P, i32]
         self._linear = lib.rows_linear
         self._linear.argtypes = [P, P, P, i32, i32, i32, P, i32]
+        self._one_row = lib.one_row_linear
+        self._one_row.argtypes = [P, P, P, i32, i32, P, i32]
         self._pack = lib.pack_panels
         self._pack.argtypes = [P, i32, i32, P]
         lib.panel_width.restype = i32
@@ -122,7 +127,7 @@ class DecodeKernel:
         self._attend_step = lib.decode_attend
         self._attend_step.argtypes = [ctypes.POINTER(Step), P, P, P, P]
         for f in (self._scores, self._values, self._linear, self._pack, self._norm, self._layers,
-                  self._attend_step, self._exp):
+                  self._attend_step, self._exp, self._one_row):
             f.restype = None
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -174,6 +179,19 @@ class DecodeKernel:
                      rows, n_out, n_in, y.data_ptr(), torch.get_num_threads())
         return y  # (N, out)
 
+    def one_row(self, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (1, in) @ weight (out, in).T + bias -> (1, out), weight as it is (contiguous
+        float32): each weight row read once, in order (decode_kernel.c, `row_linear`)."""
+        n_out, n_in = weight.shape
+        x = x.contiguous()
+        assert x.shape == (1, n_in) and x.dtype == weight.dtype == torch.float32
+        assert weight.is_contiguous() and (bias is None or bias.is_contiguous())
+        y = torch.empty(1, n_out)
+        self._one_row(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                      n_out, n_in, y.data_ptr(), torch.get_num_threads())
+        return y  # (1, out)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  out: torch.Tensor | None = None) -> torch.Tensor:
         """HF's LlamaRMSNorm of x (N, E), float32: weight * x / sqrt(mean(x^2) + eps)
@@ -207,8 +225,10 @@ class DecodeKernel:
     def layer_table(layers: list[dict], pools: list[tuple[torch.Tensor, torch.Tensor]]
                     ) -> ctypes.Array:
         """The C `Layer` array of a forward's layers: each a dict of "ln1", "ln2" (weight
-        tensors) and "qkv", "o", "gate_up", "down" (objects with `.panels`, the weight as
-        `pack` returns it, and `.bias`, contiguous or None), with its layer's (K, V) pools. Pointers only: the
+        tensors), "qkv", "o", "gate_up", "down" (objects with `.panels`, the weight as
+        `pack` returns it, and `.bias`, contiguous or None) and "plain" (None, or the
+        weights by PLAIN_FIELDS name as HF keeps them, contiguous, read at one row), with
+        its layer's (K, V) pools. Pointers only: the
         tensors must outlive the array (the runner and the storage hold them)."""
         def ptr(t):
             return None if t is None else t.data_ptr()
@@ -220,6 +240,10 @@ class DecodeKernel:
                 setattr(entry, name + "_bias", ptr(w[name].bias))
             entry.ln1, entry.ln2 = ptr(w["ln1"]), ptr(w["ln2"])
             entry.k_pool, entry.v_pool = ptr(k_pool), ptr(v_pool)
+            plain = w.get("plain")  # the HF weights, (out, in), for one row; else panels
+            if plain is not None:
+                for name in PLAIN_FIELDS:
+                    setattr(entry, f"{name}_w", ptr(plain[name]))
         return table
 
     def decode_layers(self, table: ctypes.Array, x: torch.Tensor, cos: torch.Tensor,
