@@ -10,9 +10,10 @@ core never imports them:
     compact.py        `model_runner="compact"`: the Llama family's forward written out
                       (fused, prepacked weights; logits only where a token is sampled)
     decode_kernel.py  `decode_attention="kernel"`: a decode step's attention in C
-    decode_kernel.c   (each row's blocks read in place), built on first use; its matmul
-                      of one or two rows (compact's `Linear` there), and with both, a
-                      step of up to three rows with every layer in C (`decode_in_c`)
+    decode_kernel.c   (each row's blocks read in place), built on first use; a decode
+                      step's matmuls on weights packed in panels (compact's `Linear`
+                      up to 64 rows), and with both, a step of up to three rows with
+                      every layer in C (`decode_in_c`)
     in_place_cache.py the padded backend's decode batch grown in place, not copied
                       every step (`PaddedBackend(decode_layer=...)`)
     cuda_graphs.py    `cuda_graphs="auto"`: on a GPU, the compact forward's decode step
