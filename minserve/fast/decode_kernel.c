@@ -218,9 +218,10 @@ void decode_values(const float *probs, const float *v_pool, const int64_t *table
 
 /* ---- 2. The weight matmuls of a decode step -----------------------------------------
 
-   y (N, O) = x (N, I) @ W (O, I)^T (+ bias (O,)): what F.linear computes, for the N = 1..32
+   y (N, O) = x (N, I) @ W (O, I)^T (+ bias (O,)): what F.linear computes, for the N = 2..64
    rows of a decode step (fast/compact.py's `Linear` calls it there, oneDNN above), on a
-   copy of W packed once into panels (`pack_panels`).
+   copy of W packed once into panels (`pack_panels`). One row reads W as it is
+   (`row_linear`, below).
 
    Why. At one row a matmul reads each weight once and does 2 flops per 4 bytes read: the
    memory sets its time. At 8-32 rows each weight loaded feeds 8-32 multiply-adds, so
