@@ -357,7 +357,7 @@ class Linear:
             # a copy in oneDNN's blocked layout
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
                                                                   self.PACK_FOR_BATCH)
-            self.weight = None  # the plain one stays with the HF model, which may free it
+            self.weight = None  # the plain one stays with the HF model (and `plain`, if asked)
 
     @staticmethod
     def plain_ok(weight: torch.Tensor) -> bool:
