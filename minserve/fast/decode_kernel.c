@@ -85,38 +85,35 @@ static inline v8 exp8(v8 x) {
     return p * (v8)e;
 }
 
-/* y = exp8(x) for n floats (tests compare it with torch.exp; the kernel's own callers
-   inline exp8) */
-void exp_floats(const float *x, int64_t n, float *y) {
+/* y[i] = exp8(x[i] - shift) for n floats (y may be x) -> their sum: 8 at a time, then the
+   last 1-7 through the same exp, padded */
+static float exp_shifted(const float *x, int64_t n, float shift, float *y) {
+    v8 acc = {0};
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) { const v8 e = exp8(load8(x + i)); memcpy(y + i, &e, sizeof e); }
+    for (; i + 8 <= n; i += 8) {
+        const v8 e = exp8(load8(x + i) - shift);
+        memcpy(y + i, &e, sizeof e);
+        acc += e;
+    }
+    float sum = hsum8(acc);
     if (i < n) {
         float tail[8] = {0};
         memcpy(tail, x + i, sizeof(float) * (size_t)(n - i));
-        const v8 e = exp8(load8(tail));
-        memcpy(y + i, &e, sizeof(float) * (size_t)(n - i));
+        const v8 e = exp8(load8(tail) - shift);
+        memcpy(tail, &e, sizeof e);
+        for (int64_t j = i; j < n; j++) { y[j] = tail[j - i]; sum += tail[j - i]; }
     }
+    return sum;
 }
+
+/* y = exp8(x) for n floats (tests compare it with torch.exp) */
+void exp_floats(const float *x, int64_t n, float *y) { exp_shifted(x, n, 0.0f, y); }
 
 /* softmax of n floats in place (n >= 1); the largest subtracted first, as PyTorch does */
 static void softmax_inplace(float *p, int64_t n) {
     float mx = p[0];
     for (int64_t t = 1; t < n; t++) mx = p[t] > mx ? p[t] : mx;
-    v8 acc = {0};
-    int64_t t = 0;
-    for (; t + 8 <= n; t += 8) {
-        const v8 e = exp8(load8(p + t) - mx);
-        memcpy(p + t, &e, sizeof e);
-        acc += e;
-    }
-    float sum = hsum8(acc);
-    if (t < n) {  /* the last 1-7: through the same exp, padded */
-        float tail[8] = {0};
-        memcpy(tail, p + t, sizeof(float) * (size_t)(n - t));
-        v8 e = exp8(load8(tail) - mx);
-        memcpy(tail, &e, sizeof e);
-        for (int64_t j = t; j < n; j++) { p[j] = tail[j - t]; sum += tail[j - t]; }
-    }
+    const float sum = exp_shifted(p, n, mx, p);
     const float inv = 1.0f / sum;
     for (int64_t j = 0; j < n; j++) p[j] *= inv;
 }
