@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,7 +36,10 @@ def _ragged_rows(rng: torch.Generator, B: int, S: int, shared: int, num_blocks: 
     return rows
 
 
-@pytest.mark.parametrize("H,H_kv,D", [(4, 2, 16), (9, 3, 64), (4, 4, 8), (6, 1, 72)])
+# G = H / H_kv query heads per KV head: 1, 2, 3, then 4 = 3 + 1 and 5 = 3 + 2 and 6 = 3 + 3
+# (the values are summed 3 heads at a time); D past one pass of the sums in registers (72)
+@pytest.mark.parametrize("H,H_kv,D", [(4, 2, 16), (9, 3, 64), (4, 4, 8), (8, 2, 24),
+                                      (10, 2, 8), (6, 1, 72)])
 @pytest.mark.parametrize("B,shared", [(1, 0), (5, 0), (7, 3)])
 def test_kernel_attends_as_the_pytorch_decode_over_ragged_block_tables(H, H_kv, D, B, shared):
     S, num_blocks = 4, 64
@@ -333,6 +337,24 @@ def test_the_kernels_exp_is_torch_exp_to_a_tenth_of_a_millionth(xs):
     got = decode_kernel.load().exp(x).double()
     want = torch.exp(x.double())
     assert ((got - want).abs() / want).max() < 1e-7
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 80), half=st.integers(1, 1300), threads=st.integers(1, 3),
+       seed=st.integers(0, 2**16))
+def test_the_kernels_silu_mul_is_pytorchs_silu_times_up(rows, half, threads, seed):
+    """`silu_mul` (gate | up -> silu(gate) * up) for any row count and width: 8 floats at
+    a time, then the rest; over the thread threshold (64 rows of 1,536) split over rows."""
+    gate_up = torch.randn(rows, 2 * half, generator=torch.Generator().manual_seed(seed)) * 6
+    gate_up[0, 0] = 90.0  # past exp8's clamp: silu(g) is g
+    want = F.silu(gate_up[:, :half]) * gate_up[:, half:]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = decode_kernel.load().silu_mul(gate_up)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_the_kernels_exp_clamps_past_the_float_range_and_keeps_nan():

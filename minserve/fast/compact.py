@@ -284,10 +284,10 @@ class CompactLlama:
                     ctx: PagedForward) -> torch.Tensor:
         """The forward below for a decode step of more rows than `decode_in_c` takes: the
         four matmuls of each layer stay `Linear`'s (the C matmul on panels up to
-        `Linear.PANEL_ROWS` rows, oneDNN above), and what lies between them is 3 C calls
-        (decode_kernel.c, part 4: the norms, and RoPE, the K/V write, scores, softmax and
-        values in one) and 2 PyTorch operators (SiLU, its product) instead of the loop's
-        ~25. ids, positions (B, 1) -> logits (B, 1, V)."""
+        `Linear.PANEL_ROWS` rows, oneDNN above), and what lies between them is 4 C calls
+        (decode_kernel.c, part 4: the norms, RoPE, the K/V write, scores, softmax and
+        values in one, and SiLU times up) and the residual adds instead of the loop's ~25
+        PyTorch operators. ids, positions (B, 1) -> logits (B, 1, V)."""
         B = ids.shape[0]
         g, K = ctx.groups[0], self.kernel
         H, D = self.num_heads, self.head_dim
@@ -304,9 +304,8 @@ class CompactLlama:
             att = K.attend_step(step, w["qkv"](h), k_pool, v_pool, buf["att"])  # (B, H, D)
             x += w["o"](att.view(B, H * D))  # (B, E)
             h = K.rms_norm(x, w["ln2"], self.eps, out=buf["h"])
-            gate_up = w["gate_up"](h)  # (B, 2I)
-            act = F.silu(gate_up[:, :gate_up.shape[1] // 2])  # (B, I): PyTorch's vectorised
-            x += w["down"](act.mul_(gate_up[:, gate_up.shape[1] // 2:]))  # exp, as the loop's
+            act = K.silu_mul(w["gate_up"](h), out=buf["act"])  # (B, 2I) -> (B, I)
+            x += w["down"](act)
         x = K.rms_norm(x, self.final_norm, self.eps)  # (B, E)
         return self.head(x).view(B, 1, -1)  # (B, 1, V), float32
 

@@ -157,22 +157,47 @@ static void kv_head_scores(const float *qh, const float *kh, const int64_t *tabl
     }
 }
 
-/* o (D,) = sum over t < len of p[t] * V[t], one query head over one row's values (its
-   block table `table`, the KV head's slots `vh`) */
-static void head_values(const float *p, const float *vh, const int64_t *table, int64_t len,
-                        int D, int S, float *o) {
-    for (int d0 = 0; d0 < D; d0 += 64) {  /* 64 floats of the output, in registers */
-        const int w = D - d0 < 64 ? D - d0 : 64;
-        v8 acc[8] = {{0}};
+#if defined(__AVX512F__)
+#define VW 64  /* output floats in registers per pass: 3 heads x 8 sums of AVX-512's 32 */
+#else
+#define VW 32  /* 3 heads x 4 sums of AVX's 16 registers */
+#endif
+
+/* o (NG, D) (rows D apart) = sum over t < len of p[g, t] * V[t] for NG <= 3 query heads
+   of one KV head (probabilities (NG, L), rows L apart): each value vector is loaded once
+   for the NG heads. NG is a constant where this is inlined, so the sums stay in registers. */
+static inline __attribute__((always_inline)) void heads_values_n(
+        const int NG, const float *p, int64_t L, const float *vh, const int64_t *table,
+        int64_t len, int D, int S, float *o) {
+    for (int d0 = 0; d0 < D; d0 += VW) {  /* VW floats of each head's output */
+        const int w = D - d0 < VW ? D - d0 : VW;
+        v8 acc[3][VW / 8] = {{{0}}};
         for (int j = 0; (int64_t)j * S < len; j++) {
             const float *vb = vh + table[j] * S * D + d0;
             const int n = len - (int64_t)j * S < S ? (int)(len - (int64_t)j * S) : S;
             for (int s = 0; s < n; s++) {
-                const float pw = p[(int64_t)j * S + s];
-                for (int i = 0; i < w / 8; i++) acc[i] += pw * load8(vb + s * D + 8 * i);
+                const int64_t t = (int64_t)j * S + s;
+                for (int i = 0; i < w / 8; i++) {
+                    const v8 v = load8(vb + s * D + 8 * i);
+                    for (int g = 0; g < NG; g++) acc[g][i] += p[g * L + t] * v;
+                }
             }
         }
-        memcpy(o + d0, acc, sizeof(float) * w);
+        for (int g = 0; g < NG; g++) memcpy(o + g * D + d0, acc[g], sizeof(float) * w);
+    }
+}
+
+/* o (G, D) for the G query heads of one KV head, 3 at a time (`heads_values_n`) */
+static void heads_values(const float *p, int64_t L, const float *vh, const int64_t *table,
+                         int64_t len, int G, int D, int S, float *o) {
+    for (int g = 0; g < G; g += 3) {
+        const float *pg = p + g * L;
+        float *og = o + g * D;
+        switch (G - g < 3 ? G - g : 3) {
+        case 1: heads_values_n(1, pg, L, vh, table, len, D, S, og); break;
+        case 2: heads_values_n(2, pg, L, vh, table, len, D, S, og); break;
+        default: heads_values_n(3, pg, L, vh, table, len, D, S, og); break;
+        }
     }
 }
 
@@ -202,13 +227,13 @@ void decode_values(const float *probs, const float *v_pool, const int64_t *table
                    int S, int M, float *out, int threads) {
     const int G = H / H_kv;
     const int64_t L = (int64_t)M * S;
+    /* every (row, KV head) pair writes its G query heads' D floats */
     #pragma omp parallel for num_threads(threads) if(threads > 1) schedule(dynamic)
-    for (int bh = 0; bh < B * H; bh++) {  /* every (row, query head) writes its own D floats */
-        const int b = bh / H, h = bh % H;
-        const int64_t len = lens[b];
-        const float *vh = v_pool + (int64_t)(h / G) * num_slots * D;
-        head_values(probs + ((int64_t)b * H + h) * L, vh, tables + (int64_t)b * M, len, D, S,
-                    out + ((int64_t)b * H + h) * D);
+    for (int bh = 0; bh < B * H_kv; bh++) {
+        const int b = bh / H_kv, hk = bh % H_kv;
+        const int64_t first = (int64_t)b * H + hk * G;  /* its first query head's (b, h) */
+        heads_values(probs + first * L, L, v_pool + (int64_t)hk * num_slots * D,
+                     tables + (int64_t)b * M, lens[b], G, D, S, out + first * D);
     }
 }
 
@@ -463,8 +488,11 @@ static void rope_and_write(const Step *st, const float *qkv, float *k_pool, floa
 /* part 4's (below): the attention block between the q/k/v and o matmuls */
 void decode_attend(const Step *st, const float *qkv, float *k_pool, float *v_pool, float *att);
 
-/* silu(g) * u for the rows' gate | up (N, 2I) -> act (N, I), 8 at a time through exp8 */
-static void silu_mul(const float *gu, int N, int I, float *act) {
+/* silu(g) * u for the rows' gate | up (N, 2I) -> act (N, I), 8 at a time through exp8
+   (part 4's step of more rows calls it too, `DecodeKernel.silu_mul`) */
+void silu_mul(const float *gu, int N, int I, float *act, int threads) {
+    /* threads only where there is work enough to pay for waking them (64 rows of 1,536) */
+    #pragma omp parallel for num_threads(threads) if(threads > 1 && (int64_t)N * I >= 98304)
     for (int n = 0; n < N; n++) {
         const float *g = gu + (int64_t)n * 2 * I, *u = g + I;
         float *a = act + (int64_t)n * I;
@@ -504,7 +532,7 @@ static void decode_layer(const Layer *w, const Step *st) {
     } else {
         linear_rows(st->h, w->gate_up, w->gate_up_bias, N, 2 * I, E, st->gu, 0, T);
     }
-    silu_mul(st->gu, N, I, st->act);
+    silu_mul(st->gu, N, I, st->act, T);
     if (one) row_linear(st->act, w->down_w, w->down_bias, E, I, st->x, 1, T);
     else linear_rows(st->act, w->down, w->down_bias, N, E, I, st->x, 1, T);
 }
@@ -521,8 +549,7 @@ void decode_layers(const Layer *layers, int num_layers, const Step *st) {
    attention block between the q/k/v and o matmuls here, in one call (`decode_attend`):
    RoPE and the K/V write, then for each (row, KV head) the scores of its G query heads,
    their softmax and their values, one after the other while the scores are in cache,
-   with `rms_norm` (above) for the norms. The MLP's SiLU stays PyTorch's there (one
-   vectorised operator over all rows). `st` carries the sizes, the rows and the q and
+   with `rms_norm` and `silu_mul` (above) for the norms and the MLP's SiLU. `st` carries the sizes, the rows and the q and
    scores scratch; its x, h, qkv, gu and act are not read by these.
 
    The softmax runs over each row's `len` keys only (part 1's pads the rest with -inf
@@ -543,10 +570,8 @@ void decode_attend(const Step *st, const float *qkv, float *k_pool, float *v_poo
         float *p = st->scores + first * L;             /* (G, L) */
         kv_head_scores(st->q + first * D, k_pool + (int64_t)hk * st->num_slots * D, table, len,
                        G, D, S, L, st->scale, p);
-        for (int g = 0; g < G; g++) {
-            softmax_inplace(p + g * L, len);
-            head_values(p + g * L, v_pool + (int64_t)hk * st->num_slots * D, table, len, D, S,
-                        att + (first + g) * D);
-        }
+        for (int g = 0; g < G; g++) softmax_inplace(p + g * L, len);
+        heads_values(p, L, v_pool + (int64_t)hk * st->num_slots * D, table, len, G, D, S,
+                     att + first * D);
     }
 }
