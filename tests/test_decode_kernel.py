@@ -142,12 +142,15 @@ def test_rms_norm_in_c_is_hf_llama_rms_norm():
 
 # -------------------------------------------------- a decode step of a few rows, all in C
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases
-@pytest.mark.parametrize("B", [1, 3, 5])
-def test_a_decode_step_in_c_is_the_compact_forward_of_those_rows(family, B):
-    """`CompactLlama.decode_in_c` (every layer in one C call; 1 and 3 rows) and
-    `decode_rows` (C between oneDNN's matmuls; 5 rows) compute what the compact
-    forward's Python loop computes for the same rows: the logits to float rounding, and
-    the same K/V written into the pool."""
+@pytest.mark.parametrize("route,B", [("decode_in_c", 1), ("decode_in_c", 5),
+                                     ("decode_in_c", 13),  # past a tile of 12 rows
+                                     ("decode_rows", 5)])
+def test_a_decode_step_in_c_is_the_compact_forward_of_those_rows(family, route, B):
+    """`CompactLlama.decode_in_c` (every layer in one C call) and `decode_rows` (C
+    between `Linear`'s matmuls; the route of more than `STEP_IN_C_ROWS` rows, lowered
+    here on this runner so that 5 rows take it) compute what the compact forward's
+    Python loop computes for the same rows: the logits to float rounding, and the same
+    K/V written into the pool."""
     from minserve.backends.paged import PagedBackend
     from minserve.fast.compact import CompactLlama
     from minserve.kv_cache import BlockManager
@@ -160,9 +163,11 @@ def test_a_decode_step_in_c_is_the_compact_forward_of_those_rows(family, B):
                 m.bias.normal_(0, 0.5, generator=g)
     kernel = decode_kernel.load()
     runner = CompactLlama(model, max_model_len=64, kernel=kernel)
-    backends = [PagedBackend(model, BlockManager(16, 8, False), runner=runner, kernel=kernel)
-                for _ in range(2)]
-    tables = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12], [13, 14, 15]][:B]
+    if route == "decode_rows":
+        runner.STEP_IN_C_ROWS = B - 1
+    backends = [PagedBackend(model, BlockManager(3 * B + 1, 8, False), runner=runner,
+                             kernel=kernel) for _ in range(2)]
+    tables = [[3 * b + 1, 3 * b + 2, 3 * b + 3] for b in range(B)]
     g = torch.Generator().manual_seed(B)
     prompt = torch.randint(0, 256, (B, 13), generator=g)
     decode_ids = torch.randint(0, 256, (B, 1), generator=g)
@@ -173,7 +178,6 @@ def test_a_decode_step_in_c_is_the_compact_forward_of_those_rows(family, B):
                torch.arange(13).repeat(B, 1), kernel), 13)  # the same history in both pools
         ctx = PagedForward.build(b.storage, tables, decode_pos, kernel)
         assert runner._in_c(ctx, B, 1, 1)
-        route = "decode_in_c" if B <= runner.STEP_IN_C_ROWS else "decode_rows"
         calls, real = [], getattr(runner, route)
         setattr(runner, route,
                 lambda *a, calls=calls, route=route, real=real: calls.append(route) or real(*a))
@@ -193,7 +197,8 @@ def test_a_decode_step_in_c_is_the_compact_forward_of_those_rows(family, B):
 @pytest.mark.parametrize("route, rows, picks, must, may", [
     # steps of one to three rows: every layer in C (prompt chunks through the Python loop)
     ("decode_in_c", 3, (2, 4, 6, 8), {1, 2, 3}, {1, 2, 3}),  # 24, 12, 16, 20 tokens out
-    # steps of four and five: oneDNN's matmuls, C between them (smaller: decode_in_c)
+    # steps of four and five with `STEP_IN_C_ROWS` lowered to 3 on this runner: the route
+    # of more rows, `Linear`'s matmuls with C between them (smaller: decode_in_c)
     ("decode_rows", 5, (2, 6, 8, 9, 11), {5}, {4, 5}),  # 3-13 tokens in, 11-24 out
 ])
 def test_the_serve_path_runs_its_decode_steps_in_c_and_gives_hf_generate_tokens(
@@ -204,6 +209,8 @@ def test_the_serve_path_runs_its_decode_steps_in_c_and_gives_hf_generate_tokens(
                          decode_attention="kernel", prefill_mode="mixed_batch",
                          prefill_chunk_size=5, max_batch_size=rows, block_size=8)
     runner, calls = engine.scheduler.backend.runner, []
+    if route == "decode_rows":
+        runner.STEP_IN_C_ROWS = 3
     real = getattr(runner, route)
     setattr(runner, route, lambda ids, *a: calls.append(ids.shape[0]) or real(ids, *a))
     prompts = [TINY_PROMPTS[i] for i in picks]
@@ -242,16 +249,24 @@ def test_engine_with_the_kernel_gives_hf_generate_tokens(tiny_model, cfg):
 
 @pytest.mark.real_model
 def test_kernel_on_smollm2_gives_hf_generate_tokens(real_model, real_oracle):
+    """The mixed batch on SmolLM2, its decode steps of 2-4 rows through `decode_rows`
+    (`STEP_IN_C_ROWS` lowered to 1 on this runner: the route of more rows than a test
+    on the real model can afford), token for token HF's."""
     model, tokenizer = real_model
     engine = make_engine(model, tokenizer, backend="paged", model_runner="compact",
                          decode_attention="kernel", prefill_mode="mixed_batch",
                          prefill_chunk_size=32, max_batch_size=4)
+    runner, calls = engine.scheduler.backend.runner, []
+    runner.STEP_IN_C_ROWS = 1
+    real = runner.decode_rows
+    runner.decode_rows = lambda ids, *a: calls.append(ids.shape[0]) or real(ids, *a)
     system = tokenizer("You are a helpful assistant who answers in one sentence.")["input_ids"]
     prompts = [system + tokenizer(t)["input_ids"] for t in (
         " The capital of France is", " def fibonacci(n):", " Once upon a time, in a land far",
         " Water boils at")]
     handles = [engine.submit(p, SamplingParams(max_tokens=14, ignore_eos=True)) for p in prompts]
     run_checked(engine)
+    assert 4 in calls, calls
     for p, h in zip(prompts, handles):
         assert h.output.token_ids == real_oracle(p, 14)
 
@@ -260,8 +275,8 @@ def test_kernel_on_smollm2_gives_hf_generate_tokens(real_model, real_oracle):
 def test_serve_path_steps_of_one_to_three_rows_on_smollm2_give_hf_generate_tokens(real_model,
                                                                                  real_oracle):
     """`minserve serve`'s path on the real model where a lone stream or a few run: steps
-    of one, two and three rows (`CompactLlama.STEP_IN_C_ROWS`), every layer in C
-    (`decode_in_c`), token for token HF's. The fourth prompt waits for a row, so steps of
+    of one, two and three rows, every layer in C (`decode_in_c`, up to
+    `CompactLlama.STEP_IN_C_ROWS` rows), token for token HF's. The fourth prompt waits for a row, so steps of
     three rows, then two, then one all run."""
     model, tokenizer = real_model
     engine = make_engine(model, tokenizer, backend="paged", model_runner="compact",

@@ -33,7 +33,8 @@ engines of the serve path time what each part is worth, in the same rounds:
 `serve-onednn`, every matmul by oneDNN and every layer in Python (the serve path before
 them), and `serve-rows`, the matmuls in C (`compact.Linear`) but the layers still in
 Python; the serve path itself also runs the rest of each layer in C (`decode_in_c`: the
-whole layer in one call up to 3 rows; `decode_rows`: between the matmuls above).
+whole layer in one call up to `CompactLlama.STEP_IN_C_ROWS` rows, 32; `decode_rows`:
+between the matmuls above).
 
 Threads default to what `minserve serve` uses on this machine: every core but one.
 """

@@ -12,7 +12,7 @@ core never imports them:
     decode_kernel.py  `decode_attention="kernel"`: a decode step's attention in C
     decode_kernel.c   (each row's blocks read in place), built on first use; a decode
                       step's matmuls on weights packed in panels (compact's `Linear`
-                      up to 64 rows), and with both, a step of up to three rows with
+                      up to 64 rows), and with both, a step of up to 32 rows with
                       every layer in C (`decode_in_c`)
     in_place_cache.py the padded backend's decode batch grown in place, not copied
                       every step (`PaddedBackend(decode_layer=...)`)

@@ -110,12 +110,13 @@ class CompactLlama:
     """
 
     # Decode steps of up to this many rows run every layer in C (`decode_in_c`), its
-    # matmuls included; more rows go through `decode_rows`. Both now run the same C
-    # matmul and attention; they differ by the ~6 calls per layer `decode_rows` makes
-    # from Python. At 1 row `decode_in_c` took 20.4 ms a tick against 22.1; at 2-16 rows
-    # the two were within this machine's run-to-run noise (+-10 %) of each other
-    # (2 threads, 4 runs each way, alternating), so the threshold stayed where it was.
-    STEP_IN_C_ROWS = 3
+    # matmuls included; more rows go through `decode_rows`. Both run the same C matmul,
+    # attention and SiLU; they differ by the ~7 calls a layer `decode_rows` makes from
+    # Python. Median ticks of SmolLM2 with `decode_in_c` against `decode_rows` (2
+    # threads, 5 rounds each way, alternating, one process, quiet): 26.4 against 26.9 ms
+    # at 8 rows, 39.6 against 40.3 at 16, 72.2 against 76.0 at 32, but 145 against 133 at
+    # 64. At 1 row it took 20.4 ms against 22.1.
+    STEP_IN_C_ROWS = 32
     # Rows of a forward (a prompt's tokens) that go through a layer's matmuls together:
     # a (512, 2I) block of the MLP is 6 MB for SmolLM2; oneDNN ran 512 rows of its four
     # matmuls at ~215 GFLOP/s here, 2,764 rows at once at ~186.
