@@ -60,6 +60,31 @@ def inject(obj, method: str, at_call: int) -> dict:
     return state
 
 
+def tick_as_the_worker(engine, ticks: int = 200, catch: type[BaseException] = Exception) -> None:
+    """Tick until the scheduler has no work, as the worker thread does: a tick that
+    raises `catch` goes to `engine.recover`, and R1 and queue membership are checked
+    after every tick, fault or not."""
+    s = engine.scheduler
+    for _ in range(ticks):
+        if not s.has_work():
+            break
+        try:
+            engine.step()
+        except catch as e:
+            engine.recover(e)
+        s.check_invariants()
+
+
+def assert_serves_on(engine) -> None:
+    """After a fault, a new request runs to its length and the engine drains."""
+    again = engine.submit([3, 1, 4, 1, 5], SamplingParams(max_tokens=4, ignore_eos=True))
+    for _ in range(20):
+        if again.finished:
+            break
+        engine.step()
+    assert again.output.finish_reason == "length" and engine.scheduler.is_drained()
+
+
 def run(engine, plan, fault=None, at_call=3):
     s = engine.scheduler
     state = None
@@ -74,14 +99,7 @@ def run(engine, plan, fault=None, at_call=3):
         except Injected:
             refused += 1
         s.check_invariants()
-    for _ in range(200):
-        if not s.has_work():
-            break
-        try:
-            engine.step()
-        except Injected as e:  # what the worker thread does with a tick that raised
-            engine.recover(e)
-        s.check_invariants()  # R1 and queue membership, after every tick, fault or not
+    tick_as_the_worker(engine, catch=Injected)  # any other exception fails the test
     assert not s.has_work() and s.is_drained(), "R2: not drained after the fault"
     return handles, refused, state
 
@@ -117,13 +135,7 @@ def test_a_fault_fails_only_what_it_hit_and_everything_is_given_back(tiny_model,
     else:
         assert 1 <= len(errored) <= 3  # the rows of one batch / one tick
     assert engine.last_error and "injected fault" in engine.last_error
-    # and the engine keeps serving
-    again = engine.submit([3, 1, 4, 1, 5], SamplingParams(max_tokens=4, ignore_eos=True))
-    for _ in range(20):
-        if again.finished:
-            break
-        engine.step()
-    assert again.output.finish_reason == "length" and engine.scheduler.is_drained()
+    assert_serves_on(engine)
 
 
 # ---------------------------------------------------------------- SPEC H5: 8 rows, any site
@@ -223,14 +235,7 @@ def test_a_fault_anywhere_in_a_tick_of_8_rows_fails_only_the_rows_it_touched(
     handles = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in PLAN8]
     if site == "detokenise":
         state = arm_detokenise_fault(handles[5])
-    for _ in range(200):  # what the worker thread does, tick after tick
-        if not s.has_work():
-            break
-        try:
-            engine.step()
-        except Exception as e:
-            engine.recover(e)
-        s.check_invariants()
+    tick_as_the_worker(engine)
     assert state["fired"] and s.is_drained()
     assert all(h.finished for h in handles)
     errored = [i for i, h in enumerate(handles) if h.output.finish_reason == "error"]
@@ -249,12 +254,7 @@ def test_a_fault_anywhere_in_a_tick_of_8_rows_fails_only_the_rows_it_touched(
         assert len(errored) == (0 if site == "policy.peek_next" else 1), (site, errored)
     if site == "nan_logits":
         assert "NaN" in handles[errored[0]].events[-1].error
-    again = engine.submit([3, 1, 4, 1, 5], SamplingParams(max_tokens=4, ignore_eos=True))
-    for _ in range(20):
-        if again.finished:
-            break
-        engine.step()
-    assert again.output.finish_reason == "length" and s.is_drained()
+    assert_serves_on(engine)
 
 
 def test_a_layer_fault_in_the_padded_decode_leaves_the_worker_serving(tiny_model):
@@ -284,14 +284,7 @@ def test_a_layer_fault_on_the_real_model_fails_its_batch_and_the_engine_serves_o
         prompts = [f"Count to {i}:" for i in range(8)]
         handles = [engine.submit(p, SamplingParams(max_tokens=4, ignore_eos=True))
                    for p in prompts]
-        for _ in range(50):
-            if not engine.scheduler.has_work():
-                break
-            try:
-                engine.step()
-            except Exception as e:
-                engine.recover(e)
-            engine.check_invariants()
+        tick_as_the_worker(engine, ticks=50)
         assert state["fired"] and engine.scheduler.is_drained()
         assert {h.output.finish_reason for h in handles} == {"error"}
         out = engine.generate("Hello", SamplingParams(max_tokens=3))[0]

@@ -549,8 +549,9 @@ void decode_layers(const Layer *layers, int num_layers, const Step *st) {
    attention block between the q/k/v and o matmuls here, in one call (`decode_attend`):
    RoPE and the K/V write, then for each (row, KV head) the scores of its G query heads,
    their softmax and their values, one after the other while the scores are in cache,
-   with `rms_norm` and `silu_mul` (above) for the norms and the MLP's SiLU. `st` carries the sizes, the rows and the q and
-   scores scratch; its x, h, qkv, gu and act are not read by these.
+   with `rms_norm` and `silu_mul` (above) for the norms and the MLP's SiLU. `st` carries
+   the sizes, the rows and the q and scores scratch; its x, h, qkv, gu and act are not
+   read by these.
 
    The softmax runs over each row's `len` keys only (part 1's pads the rest with -inf
    for PyTorch's), with exp8's exp: to float rounding PyTorch's softmax. */
