@@ -402,11 +402,11 @@ void rows_linear(const float *x, const float *Wp, const float *bias, int N, int 
 /* ---- 3. A whole decode step of a few rows ------------------------------------------
 
    For the 1 to 32 rows of a decode step (fast/compact.py, `decode_in_c`, up to
-   `STEP_IN_C_ROWS`), every decoder layer of the compact forward, written out. Why: at a few rows a layer's
-   time is its 4 matmuls streaming the weights (2 above) plus, between them, some 25
-   small PyTorch operators (two RMSNorms, RoPE, the KV write, softmax, SiLU, the residual
-   adds, views and copies), each costing microseconds of dispatch for a few hundred
-   floats of work: about a tenth of the step. Here they are loops over those floats,
+   `STEP_IN_C_ROWS`), every decoder layer of the compact forward, written out. Why: at a
+   few rows a layer's time is its 4 matmuls streaming the weights (2 above) plus, between
+   them, some 25 small PyTorch operators (two RMSNorms, RoPE, the KV write, softmax, SiLU,
+   the residual adds, views and copies), each costing microseconds of dispatch for a few
+   hundred floats of work: about a tenth of the step. Here they are loops over those floats,
    and the whole step is one call from Python.
 
    Per layer, the rows' residual stream x (N, E) updated in place:
