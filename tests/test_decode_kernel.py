@@ -276,8 +276,8 @@ def test_serve_path_steps_of_one_to_three_rows_on_smollm2_give_hf_generate_token
                                                                                  real_oracle):
     """`minserve serve`'s path on the real model where a lone stream or a few run: steps
     of one, two and three rows, every layer in C (`decode_in_c`, up to
-    `CompactLlama.STEP_IN_C_ROWS` rows), token for token HF's. The fourth prompt waits for a row, so steps of
-    three rows, then two, then one all run."""
+    `CompactLlama.STEP_IN_C_ROWS` rows), token for token HF's. The fourth prompt waits
+    for a row, so steps of three rows, then two, then one all run."""
     model, tokenizer = real_model
     engine = make_engine(model, tokenizer, backend="paged", model_runner="compact",
                          decode_attention="kernel", max_batch_size=3)
